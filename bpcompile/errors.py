@@ -1,0 +1,22 @@
+"""Error types that map onto the CLI's exit codes: UserError -> 2 (bad input), anything else -> 1."""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input: the message names the file, the line (where one applies), the key and what was expected.
+
+    The CLI prints it without a traceback and exits 2. Nothing is written before it is raised.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None, key: str | None = None):
+        self.file, self.line, self.key = file, line, key
+        where = ""
+        if file:
+            where = f"{file}:{line}: " if line else f"{file}: "
+        super().__init__(f"{where}{message}")
+
+
+class MissingDependency(UserError):
+    """A stage needs software that is not installed here (TensorRT, TensorRT-LLM, tritonserver, a GPU)."""
