@@ -1,0 +1,256 @@
+"""`bpcompile build`: recipe -> converted checkpoints, KV plan, kernels -> published engine version -> Triton repo.
+
+Data flows one way through the stages. Each stage writes only into the staging directory of the
+version being built; the version is published atomically at the end (see store.py). A stage that
+cannot run here (TensorRT absent, say) is recorded as skipped with its reason, never faked.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from . import __version__
+from .errors import UserError
+from .recipe import LoadedRecipe, load_recipe
+from .store import EngineStore, HashCache, Version
+
+PKG_DIR = Path(__file__).resolve().parent
+REPO_DIR = PKG_DIR.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+INPUT_GLOBS = ("config.json", "*.safetensors", "model.safetensors.index.json") + TOKENIZER_FILES
+
+
+def code_version() -> str:
+    """Hash of bpcompile's own source (package and kernels): a code change makes a new build id."""
+    h = hashlib.sha256(__version__.encode())
+    roots = [PKG_DIR] + ([REPO_DIR / "plugins"] if (REPO_DIR / "plugins").is_dir() else [])
+    for root in roots:
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.suffix in (".py", ".json", ".cpp", ".h", ".txt", ".cu") and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tool_versions() -> dict:
+    out = {"python": platform.python_version(), "bpcompile": __version__}
+    for pkg in ("torch", "transformers", "safetensors", "tokenizers", "triton", "pydantic", "tritonclient", "nvidia-pytriton"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def input_files(loaded: LoadedRecipe) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for role, d in (("verifier", loaded.verifier_dir), ("draft", loaded.draft_dir)):
+        for pat in INPUT_GLOBS:
+            for f in sorted(d.glob(pat)):
+                files[f"{role}/{f.name}"] = f
+    if loaded.calibration_file:
+        files["calibration/" + loaded.calibration_file.name] = loaded.calibration_file
+    return files
+
+
+@dataclass
+class StageRecord:
+    name: str
+    status: str  # "ran" | "skipped"
+    seconds: float = 0.0
+    detail: str = ""
+    result: dict = field(default_factory=dict)
+
+
+@dataclass
+class BuildResult:
+    name: str
+    version: int
+    path: Path
+    created: bool
+    build_id: str
+    stages: list[StageRecord]
+    triton_repo: Optional[Path] = None
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name, "version": self.version, "path": str(self.path), "created": self.created,
+            "build_id": self.build_id, "triton_repo": str(self.triton_repo) if self.triton_repo else None,
+            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail}
+                       for s in self.stages],
+        }
+
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+class Reporter:
+    """Stage bookkeeping and progress callbacks; `log` goes to the user (stderr in the CLI)."""
+
+    def __init__(self, log: Callable[[str], None] = lambda s: None, progress: Optional[Callable[[str], Progress]] = None):
+        self.log, self._progress = log, progress
+        self.stages: list[StageRecord] = []
+
+    def progress(self, label: str) -> Optional[Progress]:
+        return self._progress(label) if self._progress else None
+
+    def run(self, name: str, fn: Callable[[], dict | None]) -> dict:
+        t = time.perf_counter()
+        result = fn() or {}
+        rec = StageRecord(name, "ran", time.perf_counter() - t, result.pop("detail", ""), result)
+        self.stages.append(rec)
+        self.log(f"[ok] {name} ({rec.seconds:.1f}s){': ' + rec.detail if rec.detail else ''}")
+        return result
+
+    def skip(self, name: str, why: str):
+        self.stages.append(StageRecord(name, "skipped", 0.0, why))
+        self.log(f"[skipped] {name}: {why}")
+
+
+def _dtype(spec: str) -> Optional[str]:
+    return None if spec == "auto" else spec
+
+
+def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Reporter] = None,
+          fail_after: Optional[str] = None) -> BuildResult:
+    """Build and publish one engine version. `fail_after` names a stage after which to raise (tests use it
+    to show that a failed build publishes nothing)."""
+    rep = reporter or Reporter()
+    loaded = load_recipe(recipe_path)
+    r = loaded.recipe
+    store = EngineStore(loaded.store_dir)
+
+    hc = HashCache(loaded.store_dir / ".hash-cache.json")
+    t = time.perf_counter()
+    files = input_files(loaded)
+    inputs = {k: hc.sha256(f) for k, f in files.items()}
+    hc.save()
+    hash_s = time.perf_counter() - t
+    resolved = loaded.resolved_dict()
+    # output locations do not change what is built, so they stay out of the build id
+    identity = {k: v for k, v in resolved.items() if k != "output"}
+    identity["models"] = {k: {"dtype": v["dtype"]} for k, v in identity["models"].items()}
+    code = code_version()
+    build_id = hashlib.sha256(json.dumps({"inputs": inputs, "recipe": identity, "code": code},
+                                         sort_keys=True).encode()).hexdigest()[:20]
+
+    existing = store.find_build(r.name, build_id)
+    if existing and not force:
+        rep.log(f"up to date: {existing.path} (version {existing.version}) was built from the same inputs, "
+                f"recipe and code (build id {build_id}); use --force to rebuild")
+        return BuildResult(r.name, existing.version, existing.path, False, build_id, [],
+                           _emit_if_wanted(loaded, store, existing, rep, created=False))
+
+    if r.target == "tensorrt-llm":  # fail before hours of conversion, not after
+        from .trtllm import require_trtllm
+        require_trtllm()
+
+    from .convert import convert_checkpoint
+
+    tp, pp = r.parallel.tp, r.parallel.pp
+    with store.staging(r.name) as stage:
+        (stage / "recipe.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+        def maybe_fail(name):
+            if fail_after == name:
+                raise RuntimeError(f"injected failure after stage {name!r}")
+
+        rep.run("convert verifier", lambda: convert_checkpoint(
+            loaded.verifier_dir, stage / "verifier", tp=tp, pp=pp, dtype=_dtype(r.models.verifier.dtype),
+            progress=rep.progress("convert verifier")))
+        maybe_fail("convert verifier")
+        # The draft is small: it keeps the recipe's tp (so it can sit on the verifier's GPUs) but no pp.
+        rep.run("convert draft", lambda: convert_checkpoint(
+            loaded.draft_dir, stage / "draft", tp=tp, pp=1, dtype=_dtype(r.models.draft.dtype),
+            progress=rep.progress("convert draft")))
+        maybe_fail("convert draft")
+        rep.run("tokenizer", lambda: _copy_tokenizer(loaded.verifier_dir, stage / "tokenizer"))
+
+        _calibrate_stage(loaded, stage, rep)
+        maybe_fail("calibrate")
+        _kernels_stage(loaded, stage, rep)
+        _target_stage(loaded, stage, rep)
+
+        manifest = {
+            "build_id": build_id, "code_version": code, "recipe_file": str(loaded.file),
+            "inputs": {k: {"sha256": inputs[k], "path": str(f)} for k, f in files.items()},
+            "tools": tool_versions(), "input_hash_seconds": round(hash_s, 3),
+            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail,
+                        **({"report": s.result} if s.result else {})} for s in rep.stages],
+        }
+        version, created = store.publish(r.name, stage, manifest, force=force)
+    if created:
+        rep.log(f"published {version.path} (version {version.version}, build id {build_id})")
+    else:
+        rep.log(f"a concurrent build published the same inputs first: {version.path}")
+    repo = _emit_if_wanted(loaded, store, version, rep, created=created)
+    return BuildResult(r.name, version.version, version.path, created, build_id, rep.stages, repo)
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> dict:
+    dst.mkdir(parents=True)
+    copied = [f for f in TOKENIZER_FILES if (src / f).is_file() and shutil.copy2(src / f, dst / f)]
+    if "tokenizer.json" not in copied:
+        raise UserError(f"{src} has no tokenizer.json (a fast tokenizer file is needed to serve)", key="models.verifier.path")
+    return {"detail": ", ".join(copied)}
+
+
+def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
+    kv = loaded.recipe.kv_cache
+    if kv.format == "fp16":
+        rep.skip("calibrate", "kv_cache.format is fp16: nothing to calibrate")
+        return
+    try:
+        from .calibrate import calibrate_engine_stage
+    except ImportError as e:  # only while the KV-cache module is not part of this version
+        rep.skip("calibrate", f"not available in this version ({e})")
+        return
+    rep.run("calibrate", lambda: calibrate_engine_stage(
+        stage / "verifier", stage / "tokenizer", kv.model_dump(), loaded.recipe.calibration.model_dump(),
+        stage / "kv_plan", calibration_file=loaded.calibration_file))
+
+
+def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
+    k = loaded.recipe.kernels
+    if not k.compile:
+        rep.skip("compile kernels", "kernels.compile is false")
+        return
+    try:
+        from .kernels import compile_engine_kernels
+    except ImportError as e:
+        rep.skip("compile kernels", f"not available in this version ({e})")
+        return
+    rep.run("compile kernels", lambda: compile_engine_kernels(stage, loaded.recipe, stage / "kernels"))
+
+
+def _target_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
+    if loaded.recipe.target != "tensorrt-llm":
+        return
+    from .trtllm import trtllm_stage  # the one boundary to TensorRT / TensorRT-LLM
+
+    rep.run("tensorrt-llm engines", lambda: trtllm_stage(stage, loaded.recipe))
+
+
+def _emit_if_wanted(loaded: LoadedRecipe, store: EngineStore, version: Version, rep: Reporter,
+                    created: bool) -> Optional[Path]:
+    if not loaded.recipe.triton.emit:
+        return None
+    try:
+        from .triton.emit import publish_version
+    except ImportError as e:
+        rep.skip("emit triton repository", f"not available in this version ({e})")
+        return None
+    t = time.perf_counter()
+    repo = loaded.triton_repo_dir
+    publish_version(repo, version.path, version.version, loaded.recipe)
+    rep.log(f"[ok] triton repository {repo} has version {version.version} ({time.perf_counter() - t:.1f}s)")
+    return repo

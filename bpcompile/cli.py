@@ -1,0 +1,177 @@
+"""The `bpcompile` command: a thin Click layer over library functions you can call from Python.
+
+Exit codes: 0 success, 2 bad input (a message naming the file, line, key and what was expected; no
+traceback), 1 internal error. `--json` prints one machine-readable result on stdout; human messages
+and progress go to stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import UserError
+
+err = Console(stderr=True, highlight=False)
+
+
+def _emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+class _Group(click.Group):
+    """Maps exceptions onto exit codes for every subcommand."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+            sys.exit(2)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            sys.exit(130)
+        except Exception as e:  # noqa: BLE001 - the one place internal errors are turned into exit 1
+            if os.environ.get("BPCOMPILE_DEBUG"):
+                traceback.print_exc()
+            err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
+                      "(set BPCOMPILE_DEBUG=1 for a traceback)", markup=True, soft_wrap=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="bpcompile")
+def main():
+    """Build draft+verifier inference engines with an INT4/FP8-outlier KV cache and tree speculative
+    decoding, and serve them with Triton Inference Server."""
+
+
+class _RichProgress:
+    """Per-stage progress bars on stderr (silent when stderr is not a terminal)."""
+
+    def __init__(self):
+        self.p = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                          TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
+
+    def __enter__(self):
+        self.p.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        self.p.__exit__(*a)
+
+    def factory(self, label):
+        task = self.p.add_task(label, total=None)
+
+        def update(what, done, total):
+            self.p.update(task, description=f"{label}: {what}"[:60], completed=done, total=total)
+        return update
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Rebuild even if a version with the same build id exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
+def build(recipe, force, as_json):
+    """Build RECIPE into a new engine version (and its Triton repository)."""
+    from .build import Reporter, build as do_build
+
+    with _RichProgress() as prog:
+        rep = Reporter(log=lambda s: err.print(s, markup=False, soft_wrap=True), progress=prog.factory)
+        res = do_build(recipe, force=force, reporter=rep)
+    if as_json:
+        _emit_json(res.to_json())
+    else:
+        skipped = [s for s in res.stages if s.status == "skipped"]
+        if skipped:
+            err.print("skipped stages: " + "; ".join(f"{s.name} ({s.detail})" for s in skipped), markup=False)
+        click.echo(str(res.path))
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def validate(recipe, as_json):
+    """Check RECIPE (types, paths, checkpoints, tokenizers, parallelism) without building."""
+    from .recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    if as_json:
+        _emit_json({"valid": True, "recipe": loaded.resolved_dict()})
+    else:
+        click.echo(f"{recipe}: ok ({loaded.recipe.name}: verifier {loaded.verifier_dir}, draft {loaded.draft_dir})")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(path, as_json):
+    """Describe PATH: an engine version, a converted checkpoint or an HF checkpoint."""
+    from .info import inspect_path
+
+    info = inspect_path(path)
+    if as_json:
+        _emit_json(info)
+        return
+    if info["kind"] == "engine-version":
+        click.echo(f"engine {info['name']} version {info['version']}  build {info['build_id']}  "
+                   f"published {info['published']}  {info['bytes'] / 1e6:.1f} MB")
+        for s in info["stages"]:
+            click.echo(f"  stage {s['name']:<24} {s['status']:<8} {s['seconds']:>7.2f}s  {s.get('detail', '')}")
+        for name, part in info["contents"].items():
+            if "architecture" in part:
+                click.echo(f"  {name}/: {part['architecture']} {part['parameters'] / 1e6:.2f}M params, {part['dtype']}, "
+                           f"tp={part.get('tp')} pp={part.get('pp')}, {len(part['shards'])} shards, {part['bytes'] / 1e6:.1f} MB")
+            else:
+                click.echo(f"  {name}/: {part['bytes'] / 1e6:.2f} MB")
+        return
+    click.echo(f"{info['kind']}: {info['architecture']}, {info['parameters'] / 1e6:.2f}M parameters, dtype {info['dtype']}")
+    click.echo(f"  layers {info['layers']}, hidden {info['hidden']}, heads {info['heads']}/{info['kv_heads']} KV, vocab {info['vocab']}"
+               + (f", tp={info['tp']} pp={info['pp']}" if "tp" in info else ""))
+    for s in info["shards"]:
+        click.echo(f"  {s['file']}: {s['tensors']} tensors, {s['params'] / 1e6:.2f}M params, {s['bytes'] / 1e6:.1f} MB")
+
+
+@main.command(name="list")
+@click.argument("store", required=False, default="engines", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def list_(store, as_json):
+    """List engine versions in STORE (default ./engines)."""
+    from .store import EngineStore
+
+    s = EngineStore(store)
+    rows = [{"name": v.name, "version": v.version, "build_id": v.build_id, "published": v.manifest.get("published"),
+             "bytes": v.manifest.get("bytes"), "path": str(v.path)} for n in s.names() for v in s.versions(n)]
+    if as_json:
+        _emit_json(rows)
+        return
+    if not rows:
+        err.print(f"no engine versions in {store}")
+        return
+    t = Table("name", "version", "build id", "published", "size")
+    for r in rows:
+        t.add_row(r["name"], str(r["version"]), r["build_id"], r["published"] or "", f"{(r['bytes'] or 0) / 1e6:.1f} MB")
+    Console().print(t)
+
+
+def _register_optional():
+    """Commands whose implementation lives in a stage module (runtime, eval, serving)."""
+    from . import commands
+
+    for cmd in commands.COMMANDS:
+        main.add_command(cmd)
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Build + store: publish, idempotent rebuild, --force, atomic publish under injected failure, concurrent builds."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from bpcompile.build import build
+from bpcompile.cli import main
+from bpcompile.store import EngineStore, sha256_file
+from pairs import make_pair, write_recipe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def versions(root: Path) -> list[str]:
+    d = root / "engines" / "t"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def test_build_publishes_then_is_idempotent(tmp_path, pair):
+    recipe = write_recipe(tmp_path / "r.yaml", *pair)
+    res = CliRunner().invoke(main, ["build", str(recipe), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["version"] == 1 and out["created"]
+    vdir = Path(out["path"])
+    m = json.loads((vdir / "manifest.json").read_text())
+    # every artifact's hash is right and every input is recorded
+    for rel, a in m["artifacts"].items():
+        assert sha256_file(vdir / rel) == a["sha256"]
+    assert "verifier/model.safetensors" in m["inputs"] and "draft/tokenizer.json" in m["inputs"]
+    assert (vdir / "verifier" / "config.json").is_file() and (vdir / "verifier" / "rank0.safetensors").is_file()
+    assert (vdir / "tokenizer" / "tokenizer.json").is_file() and (vdir / "recipe.yaml").is_file()
+    assert {s["name"] for s in m["stages"]} >= {"convert verifier", "convert draft", "tokenizer"}
+
+    res2 = CliRunner().invoke(main, ["build", str(recipe), "--json"])
+    assert res2.exit_code == 0
+    out2 = json.loads(res2.stdout)
+    assert out2["created"] is False and out2["version"] == 1
+    assert "up to date" in res2.stderr and "version 1" in res2.stderr
+    assert versions(tmp_path) == ["1"]
+
+    res3 = CliRunner().invoke(main, ["build", str(recipe), "--force", "--json"])
+    assert json.loads(res3.stdout)["version"] == 2
+    # a recipe change that alters what is built gives a new build id
+    recipe.write_text(recipe.read_text().replace("max_batch_size: 4", "max_batch_size: 2"))
+    out4 = build(recipe)
+    assert out4.created and out4.version == 3 and out4.build_id != out["build_id"]
+
+
+@pytest.mark.parametrize("stage", ["convert verifier", "convert draft", "calibrate"])
+def test_failed_build_publishes_nothing(tmp_path, pair, stage):
+    recipe = write_recipe(tmp_path / "r.yaml", *pair)
+    with pytest.raises(RuntimeError, match="injected"):
+        build(recipe, fail_after=stage)
+    assert versions(tmp_path) == [".lock"] or versions(tmp_path) == []
+    # and the next build still starts at version 1
+    assert build(recipe).version == 1
+
+
+def test_concurrent_builds_publish_one_version(tmp_path, pair):
+    recipe = write_recipe(tmp_path / "r.yaml", *pair)
+    cmd = [sys.executable, "-m", "bpcompile.cli", "build", str(recipe), "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [json.loads(o) for o, _ in outs]
+    assert sorted(r["created"] for r in results) == [False, True]
+    assert {r["version"] for r in results} == {1}
+    assert [v.version for v in EngineStore(tmp_path / "engines").versions("t")] == [1]
+    assert not any(p.name.startswith(".staging") for p in (tmp_path / "engines" / "t").iterdir())
+
+
+def test_inspect_and_list(tmp_path, pair):
+    recipe = write_recipe(tmp_path / "r.yaml", *pair)
+    v = build(recipe)
+    r = CliRunner().invoke(main, ["inspect", str(v.path), "--json"])
+    info = json.loads(r.stdout)
+    assert info["kind"] == "engine-version" and info["version"] == 1
+    assert info["contents"]["verifier"]["kind"] == "trtllm-checkpoint"
+    r = CliRunner().invoke(main, ["inspect", str(pair[0]), "--json"])
+    hf = json.loads(r.stdout)
+    assert hf["kind"] == "hf-checkpoint" and hf["parameters"] == info["contents"]["verifier"]["parameters"]
+    r = CliRunner().invoke(main, ["list", str(tmp_path / "engines"), "--json"])
+    rows = json.loads(r.stdout)
+    assert [(x["name"], x["version"]) for x in rows] == [("t", 1)] and rows[0]["build_id"] == v.build_id
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "nothing")])
+    assert r.exit_code == 2
+
+
+def test_tensorrt_llm_target_fails_clearly_without_tensorrt(tmp_path, pair):
+    recipe = write_recipe(tmp_path / "r.yaml", *pair, extra="target: tensorrt-llm\n")
+    r = CliRunner().invoke(main, ["build", str(recipe)])
+    assert r.exit_code == 2 and "TensorRT-LLM 1.2" in r.stderr and "target" in r.stderr
+    assert versions(tmp_path) in ([], [".lock"])

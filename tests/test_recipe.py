@@ -1,0 +1,116 @@
+"""Recipe validation: every bad input is exit 2 with a message naming file, line and key; nothing written."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from bpcompile.cli import main
+from bpcompile.errors import UserError
+from bpcompile.recipe import load_recipe, parse_recipe
+from pairs import make_pair, make_tokenizer, write_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def run(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def test_valid_recipe_loads_with_defaults(tmp_path, pair):
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", *pair))
+    assert loaded.recipe.speculative.tree == "dynamic" and loaded.recipe.speculative.nodes == 5
+    assert loaded.recipe.kv_cache.outlier_fraction == 0.08 or loaded.recipe.kv_cache.format == "fp16"
+    code, out = run("validate", tmp_path / "r.yaml")
+    assert code == 0, out
+
+
+def test_shipped_recipes_parse():
+    for name in ("tiny.yaml", "70b.yaml"):
+        r, _ = parse_recipe(REPO / "recipes" / name)
+        assert r.kv_cache.format == "int4-fp8-outlier"
+
+
+@pytest.mark.parametrize("extra,key,line_of,expect", [
+    ("kv_cache: {format: int3}\n", "kv_cache.format", "kv_cache", "int4-fp8-outlier"),
+    ("speculative: {tree: dynamic, nodez: 5}\n", "speculative.nodez", "speculative", "unknown key"),
+    ("limits: {max_batch_size: many}\n", "limits.max_batch_size", "limits", "integer"),
+    ("speculative: {tree: static}\n", "speculative", "speculative", "needs 'choices'"),
+    ("speculative: {tree: static, choices: [[0], [1, 0]]}\n", "speculative", "speculative", "no parent"),
+    ("parallel: {tp: 3, pp: 1}\n", "parallel.tp", "parallel", "does not divide"),
+    ("target: tensorrt\n", "target", "target", "native"),
+])
+def test_bad_values_exit_2_naming_key_and_line(tmp_path, pair, extra, key, line_of, expect):
+    text = write_recipe(tmp_path / "r.yaml", *pair).read_text()
+    # replace the default block of that section with the bad one
+    lines = [l for l in text.splitlines() if not l.startswith(extra.split(":")[0] + ":")]
+    path = tmp_path / "r.yaml"
+    path.write_text("\n".join(lines) + "\n" + extra)
+    code, out = run("build", path)
+    assert code == 2, out
+    assert key in out and expect in out and "Traceback" not in out
+    lineno = next(i for i, l in enumerate(path.read_text().splitlines(), 1) if l.startswith(line_of + ":"))
+    assert f"r.yaml:{lineno}:" in out
+    assert not (tmp_path / "engines").exists(), "a failed validation must write nothing"
+
+
+def test_missing_paths_are_all_named(tmp_path):
+    p = tmp_path / "r.yaml"
+    write_recipe(p, tmp_path / "nope-verifier", tmp_path / "nope-draft")
+    code, out = run("validate", p)
+    assert code == 2
+    assert "models.verifier.path" in out and "models.draft.path" in out
+    assert "nope-verifier" in out and "nope-draft" in out
+
+
+def test_70b_recipe_names_missing_checkpoints():
+    code, out = run("validate", REPO / "recipes" / "70b.yaml")
+    assert code == 2
+    assert "/models/Meta-Llama-3.1-70B-Instruct" in out and "/models/Llama-3.2-1B-Instruct" in out
+
+
+def test_missing_required_key(tmp_path, pair):
+    p = write_recipe(tmp_path / "r.yaml", *pair)
+    p.write_text(p.read_text().replace("name: t\n", ""))
+    code, out = run("validate", p)
+    assert code == 2 and "name: required key is missing" in out
+
+
+def test_draft_with_different_tokenizer_is_refused(tmp_path, pair):
+    v, d = pair
+    d2 = tmp_path / "draft2"
+    shutil.copytree(d, d2)
+    make_tokenizer(d2, vocab=300, text_keys=9)  # same size, different merges/vocab
+    code, out = run("validate", write_recipe(tmp_path / "r.yaml", v, d2))
+    assert code == 2 and "models.draft.path" in out and "tokenizer" in out
+
+
+def test_pickle_checkpoint_is_refused(tmp_path, pair):
+    v, d = pair
+    bad = tmp_path / "pickled"
+    bad.mkdir()
+    shutil.copy(v / "config.json", bad / "config.json")
+    (bad / "pytorch_model.bin").write_bytes(b"not loaded")
+    code, out = run("validate", write_recipe(tmp_path / "r.yaml", bad, d))
+    assert code == 2 and "safetensors" in out and "pytorch_model.bin" in out
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("name: [unclosed\n")
+    code, out = run("validate", p)
+    assert code == 2 and "r.yaml:" in out and "YAML" in out
+    p.write_text("- just\n- a list\n")
+    code, out = run("validate", p)
+    assert code == 2 and "mapping" in out
+    code, out = run("validate", tmp_path / "missing.yaml")
+    assert code == 2
