@@ -90,7 +90,7 @@ class BuildResult:
         }
 
 
-Progress = Callable[[str, int, int], None]  # (what, done, total)
+Progress = Callable[[int, int], None]  # (done, total), e.g. tensors or bytes
 
 
 class Reporter:

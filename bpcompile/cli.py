@@ -72,8 +72,8 @@ class _RichProgress:
     def factory(self, label):
         task = self.p.add_task(label, total=None)
 
-        def update(what, done, total):
-            self.p.update(task, description=f"{label}: {what}"[:60], completed=done, total=total)
+        def update(done, total):
+            self.p.update(task, completed=done, total=total)
         return update
 
 
