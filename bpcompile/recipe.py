@@ -274,8 +274,8 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
                 problem(("parallel", "tp"), f"tp={tp} does not divide the {role}'s {h} attention heads")
             elif k % tp and tp % k:
                 problem(("parallel", "tp"), f"tp={tp} and the {role}'s {k} KV heads: one must divide the other")
-            if role == "verifier" and c["num_hidden_layers"] % pp:  # the draft is not pipeline-split
-                problem(("parallel", "pp"), f"pp={pp} does not divide the {role}'s {c['num_hidden_layers']} layers")
+            if role == "verifier" and c["num_hidden_layers"] < pp:  # the draft is not pipeline-split
+                problem(("parallel", "pp"), f"pp={pp} exceeds the {role}'s {c['num_hidden_layers']} layers")
         hd = cfg["head_dim"]
         gs = recipe.kv_cache.group_size
         if recipe.kv_cache.format == "int4-fp8-outlier" and hd % gs:
