@@ -230,6 +230,15 @@ def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
         rep.skip("compile kernels", f"not available in this version ({e})")
         return
     rep.run("compile kernels", lambda: compile_engine_kernels(stage, loaded.recipe, stage / "kernels"))
+    # The TensorRT plugin library wraps those kernels; it is needed (and required) only for the
+    # tensorrt-llm target, and built wherever TensorRT headers and libraries exist.
+    from .kernels import build_trt_plugin
+
+    res = build_trt_plugin(stage / "kernels", stage / "trt_plugin", required=loaded.recipe.target == "tensorrt-llm")
+    if res.get("status") == "skipped":
+        rep.skip("tensorrt plugin", res["reason"])
+    else:
+        rep.stages.append(StageRecord("tensorrt plugin", "ran", res.get("seconds", 0.0), res.get("detail", "")))
 
 
 def _target_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):

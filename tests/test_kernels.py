@@ -1,0 +1,355 @@
+"""The Triton kernels (bpcompile/kernels.py) against the PyTorch oracle (bpcompile/kvcache.py), on CPU in
+Triton's interpreter: quantize-and-append bit for bit, paged tree attention within float tolerance,
+the compaction move byte for byte. Small shapes, few program instances (the interpreter costs ~1 ms each)."""
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors run interpreted
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from bpcompile import kernels as K  # noqa: E402
+from bpcompile.kvcache import KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402
+
+L, KV, D = 2, 2, 64
+# every unit kind present: INT4 and FP8 (the shipped format) plus one INT8 unit; K and V of one head may differ
+PRECISION = [{"k": ["int4", "fp8"], "v": ["fp8", "int4"]}, {"k": ["int8", "int4"], "v": ["int4", "int4"]}]
+
+
+def make_store(group_size: int, num_pages: int = 24, page_size: int = 16, seed: int = 0) -> QuantKVStore:
+    g = torch.Generator().manual_seed(seed)
+    plan = KVPlan("int4-fp8-outlier", L, KV, D, group_size, PRECISION,
+                  k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
+                  int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7)
+    return QuantKVStore(plan, num_pages, page_size)
+
+
+def clone_store(st: QuantKVStore) -> QuantKVStore:
+    c = QuantKVStore(st.plan, st.num_pages, st.page_size)
+    for a, b in zip(c.pools(), st.pools()):
+        a.copy_(b)
+    return c
+
+
+def same_bytes(a: QuantKVStore, b: QuantKVStore) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.pools(), b.pools()))
+
+
+def attention_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error relative to the output scale: the comparison every attention test uses."""
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+def medusa_tree(choices: list[list[int]]) -> list[int]:
+    """Parents of the tree a Medusa/EAGLE choices list describes (node 0 = the true token), nodes ordered by
+    (depth, choice) as TensorRT-LLM's _medusa_setup sorts them; paths-only lists are expanded to all prefixes."""
+    full = sorted({tuple(c[:i]) for c in choices for i in range(1, len(c) + 1)}, key=lambda c: (len(c), c))
+    index = {(): 0, **{c: i + 1 for i, c in enumerate(full)}}
+    return [-1] + [index[c[:-1]] for c in full]
+
+
+# the reference's example (TensorRT-LLM docs, paths-only form), plus a chain and a branching tree
+TRTLLM_EXAMPLE = medusa_tree([[0, 0, 0, 0], [0, 1, 0], [1, 0], [1, 1]])
+
+
+def setup_batch(st, ctxs, trees, G, H, dtype, seed=0):
+    """Append each sequence's context + tree tokens (oracle write) and build the attention inputs."""
+    g = torch.Generator().manual_seed(seed)
+    S, B = st.page_size, len(ctxs)
+    pages_per_seq = st.num_pages // B
+    block_tables = torch.randperm(st.num_pages, generator=g)[:B * pages_per_seq].reshape(B, pages_per_seq).int()
+    for b in range(B):
+        T = ctxs[b] + len(trees[b])
+        assert T <= pages_per_seq * S
+        t = torch.arange(T)
+        slots = block_tables[b, t // S].long() * S + t % S
+        for layer in range(L):
+            st.write(layer, slots, torch.randn(T, KV, D, generator=g) * 2, torch.randn(T, KV, D, generator=g))
+    masks = torch.zeros(B, G, G, dtype=torch.bool)
+    for b, parents in enumerate(trees):
+        masks[b, :len(parents), :len(parents)] = K.tree_mask_from_parents(parents)
+    q = (torch.randn(B, G, H, D, generator=g) * 1.5).to(dtype)
+    return q, block_tables, torch.tensor(ctxs), K.pack_tree_mask(masks), torch.tensor([len(p) for p in trees])
+
+
+# ------------------------------------------------------------------------------------------------
+# quantize-and-append
+
+
+@pytest.mark.parametrize("group_size,dtype", [(64, torch.float32), (32, torch.float16), (16, torch.bfloat16)])
+def test_quantize_append_is_bit_exact(group_size, dtype):
+    ref, ker = make_store(group_size), make_store(group_size)
+    g = torch.Generator().manual_seed(1)
+    N = 37  # not a multiple of the kernel's token block, slots scattered over pages
+    slots = torch.randperm(ref.num_pages * ref.page_size, generator=g)[:N]
+    k = (torch.randn(N, KV, D, generator=g) * 3).to(dtype)
+    v = torch.randn(N, KV, D, generator=g).to(dtype)
+    k[3, 0, :group_size] = 0  # an all-zero group: scale 0, codes of zero
+    v[5, 1] *= 1e-30  # scales underflow fp16
+    k[7, 1, 0] = 1e4  # one large outlier in a group
+    for layer in range(L):
+        ref.write(layer, slots, k, v)
+        K.quantize_append(ker, layer, slots, k, v)
+    assert same_bytes(ref, ker)
+    assert ref.s4.abs().sum() > 0 and ref.q8.sum() > 0 and ref.qi8.abs().sum() > 0  # every pool was written
+
+
+def test_fp8_encoding_edge_values_match_torch():
+    """x / s = x when the group's absmax is 448 (s = 1): the kernel's bit-level E4M3 encoder sees these values
+    directly: RNE ties, subnormals, the saturation bound, signed zero."""
+    st_ref, st_ker = make_store(64), make_store(64)
+    vals = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.0 ** -7, 3 * 2.0 ** -10, 2.0 ** -10, 5 * 2.0 ** -10,
+                         2.0 ** -6 - 2.0 ** -11, -0.0, 0.0, 240.0, 232.0, 0.0146484375, -447.9, 17.5, 18.5, 19.5])
+    x = torch.zeros(1, KV, D)
+    x[0, 1, :len(vals)] = vals  # layer 0 K head 1 is an FP8 unit
+    x[0, 1, len(vals)] = 448.0
+    x[0, 0] = 1.0
+    one = torch.ones(L, KV, D)
+    st_ref.k_channel_scale.copy_(one)
+    st_ker.k_channel_scale.copy_(one)
+    slot = torch.tensor([5])
+    st_ref.write(0, slot, x, x)
+    K.quantize_append(st_ker, 0, slot, x, x)
+    assert same_bytes(st_ref, st_ker)
+    idx = int(st_ref.unit_index[0, 0, 1])
+    codes = st_ker.q8[0, idx, 5, :len(vals)]
+    assert torch.equal(codes, vals.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(codes, encode_fp8_e4m3(vals))
+
+
+def test_quantize_append_detects_a_wrong_clip():
+    """The bit-exact comparison must fail when the kernel is given different static scales."""
+    ref, ker = make_store(64), make_store(64)
+    g = torch.Generator().manual_seed(2)
+    slots = torch.arange(8)
+    k, v = torch.randn(8, KV, D, generator=g), torch.randn(8, KV, D, generator=g)
+    ker.int4_clip[0, 0, 0] *= 0.9  # layer 0 K head 0 is INT4
+    ref.write(0, slots, k, v)
+    K.quantize_append(ker, 0, slots, k, v)
+    assert not same_bytes(ref, ker)
+
+
+# ------------------------------------------------------------------------------------------------
+# paged tree attention
+
+
+CASES = {
+    # decode (G = 1), GQA 4:1, fp32, partial last pages, a sequence with no committed context
+    "decode-gqa4": dict(group_size=64, H=8, dtype=torch.float32, G=1, trees=[[-1]] * 3, ctxs=[37, 100, 0],
+                        splits=1, block_n=None, tol=1e-4),
+    # TRT-LLM's example tree and a branching tree, GQA 1:1, two context splits, 32-token tiles
+    "tree-gqa1-split": dict(group_size=32, H=2, dtype=torch.float32, G=10,
+                            trees=[TRTLLM_EXAMPLE, [-1, 0, 0, 1, 2, 1]], ctxs=[70, 21],
+                            splits=2, block_n=32, tol=1e-4),
+    # a 40-token chain (two mask words, bit 31 set), fp16 queries, per-element scales (G < D/2), 3 splits
+    "chain40-fp16": dict(group_size=16, H=4, dtype=torch.float16, G=40, trees=[list(range(-1, 39)), [-1, 0, 1]],
+                         ctxs=[50, 9], splits=3, block_n=32, tol=2e-2),
+    # causal (tree_mask None), fewer real query rows than tree tokens in the second sequence
+    "causal-qlens": dict(group_size=64, H=4, dtype=torch.float32, G=5, trees=[[-1, 0, 1, 2, 3], [-1, 0, 1, 2]],
+                         ctxs=[20, 33], splits=1, block_n=None, tol=1e-4, causal=True, q_lens=[5, 2]),
+}
+
+
+def run_case(c, perturb=None):
+    st = make_store(c["group_size"], num_pages=24)
+    q, bt, ctx, tm, nt = setup_batch(st, c["ctxs"], c["trees"], c["G"], c["H"], c["dtype"])
+    scale = 1 / math.sqrt(D)
+    kst, ktm = st, tm
+    if perturb:
+        kst, ktm = perturb(clone_store(st), tm.clone(), bt, ctx)
+    if c.get("causal"):  # the runtime's prefill / chain form: no mask tensor, causal over the new tokens
+        tm = ktm = None
+    ql = torch.tensor(c["q_lens"]) if "q_lens" in c else None
+    errs = []
+    for layer in range(L):
+        ref = K.paged_attention_reference(q, st, layer, bt, ctx, tm, nt, scale, q_lens=ql)
+        out = K.paged_attention(q, kst, layer, bt, ctx, ktm, nt, scale, q_lens=ql, num_splits=c["splits"],
+                                block_n=c["block_n"])
+        assert out.shape == q.shape and out.dtype == q.dtype
+        errs.append(attention_error(out, ref))
+        G = c["G"]
+        for b, n in enumerate((nt if ql is None else ql).tolist()):  # padding query rows are zero
+            assert not out[b, n:G].any()
+    return max(errs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_attention_matches_reference(name):
+    c = CASES[name]
+    assert run_case(c) <= c["tol"]
+
+
+def test_attention_comparison_detects_a_wrong_scale():
+    c = CASES["decode-gqa4"]
+
+    def perturb(st, tm, bt, ctx):
+        # the INT4 K scale of token 3 of sequence 0 (layer 0, head 0), and an FP8 V scale
+        slot = int(bt[0, 0]) * st.page_size + 3
+        st.s4[slot // st.page_size, int(st.unit_index[0, 0, 0]), slot % st.page_size] *= 4
+        st.s8[slot // st.page_size, int(st.unit_index[0, 1, 0]), slot % st.page_size] *= 4
+        return st, tm
+
+    assert run_case(c, perturb) > 10 * c["tol"]
+
+
+def test_attention_comparison_detects_a_flipped_mask_bit():
+    c = CASES["tree-gqa1-split"]
+
+    def perturb(st, tm, bt, ctx):
+        tm[0, 5, 0] ^= 1 << 1  # node 5 ([1, 0]) of TRT-LLM's example now also sees node 1 ([0]): not its ancestor
+        return st, tm
+
+    assert run_case(c, perturb) > 10 * c["tol"]
+
+
+# ------------------------------------------------------------------------------------------------
+# compaction move and the tree-mask helpers
+
+
+def test_move_slots_matches_store_move_with_overlap():
+    ref = make_store(32)
+    g = torch.Generator().manual_seed(3)
+    n = 12
+    slots = torch.arange(40, 40 + n)
+    for layer in range(L):
+        ref.write(layer, slots, torch.randn(n, KV, D, generator=g), torch.randn(n, KV, D, generator=g))
+    ker = clone_store(ref)
+    # accepted path nodes 0, 2, 5, 9 of a tree stored at 40.. -> compacted to 40..43: dst overlaps src
+    src = torch.tensor([40, 42, 45, 49])
+    dst = torch.tensor([40, 41, 42, 43])
+    ref.move(src, dst)
+    K.move_slots(ker, src, dst)
+    assert same_bytes(ref, ker)
+    # and a move across pages that does not overlap
+    ref.move(torch.tensor([41, 43]), torch.tensor([300, 17]))
+    K.move_slots(ker, torch.tensor([41, 43]), torch.tensor([300, 17]))
+    assert same_bytes(ref, ker)
+    assert not same_bytes(ref, make_store(32))  # the comparison is not vacuous
+
+
+def test_packed_tree_mask_format():
+    m = K.tree_mask_from_parents(TRTLLM_EXAMPLE)
+    p = K.pack_tree_mask(m)
+    assert p.shape == (10, 1) and p.dtype == torch.int32
+    assert int(p[0, 0]) == 1  # row 0 (the true token) sees only itself
+    # nodes by (depth, choice): 1 = [0], 2 = [1], 3 = [0, 0], ..., 7 = [0, 0, 0] sees 0, 1, 3 and itself
+    assert int(p[7, 0]) == (1 << 0) | (1 << 1) | (1 << 3) | (1 << 7)
+    assert TRTLLM_EXAMPLE == [-1, 0, 0, 1, 1, 2, 2, 3, 4, 7]
+    chain = K.pack_tree_mask(K.tree_mask_from_parents(list(range(-1, 39))))
+    assert chain.shape == (40, 2) and int(chain[31, 0]) == -1 and int(chain[39, 1]) == 0xFF
+    assert torch.equal(K.unpack_tree_mask(chain, 40), K.tree_mask_from_parents(list(range(-1, 39))))
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU benchmark's correctness part (what `plugins/bench_gpu.py --cpu-smoke` runs)
+
+
+def test_bench_gpu_cpu_smoke():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "plugins" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.check_correctness(torch.device("cpu"), tiny=True)
+    assert bench.RESULTS["correctness"] and all(r["ok"] for r in bench.RESULTS["correctness"])
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation (sm_90a cubins + C launchers, no GPU needed) and the TensorRT plugin project
+
+
+def _recipe(page_size=16, group_size=64, arch="sm_90a"):
+    from bpcompile.recipe import Recipe
+
+    return Recipe(name="k", models={"verifier": {"path": "v"}, "draft": {"path": "d"}},
+                  kv_cache={"page_size": page_size, "group_size": group_size}, kernels={"arch": arch})
+
+
+def _stage(tmp_path, head_size=64, heads=4, kv_heads=2):
+    import json
+
+    (tmp_path / "stage" / "verifier").mkdir(parents=True)
+    (tmp_path / "stage" / "verifier" / "config.json").write_text(json.dumps(
+        {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_size": head_size,
+         "hidden_size": heads * head_size, "dtype": "float16"}))
+    return tmp_path / "stage"
+
+
+def test_compile_engine_kernels_sm90a(tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    monkeypatch.setenv("BPCOMPILE_CACHE", str(tmp_path / "cache"))  # really compile, don't reuse ~/.cache
+    stage = _stage(tmp_path)
+    out = tmp_path / "kernels"
+    res = K.compile_engine_kernels(stage, _recipe(), out)
+    assert res["status"] == "compiled" and not res["cached"] and "sm_90a" in res["detail"]
+    kj = json.loads((out / "kernels.json").read_text())
+    assert kj["arch"] == "sm_90a" and kj["triton_version"] and kj["model"]["head_size"] == 64
+    names = {k["name"] for k in kj["kernels"]}
+    assert {"bp_quantize_append_fp16", "bp_paged_attention_decode_fp16", "bp_paged_attention_tree_split_fp16",
+            "bp_combine_splits_fp16", "bp_copy_rows_fp16"} <= names
+    for k in kj["kernels"]:
+        for f in k["files"].values():
+            assert hashlib.sha256((out / f["path"]).read_bytes()).hexdigest() == f["sha256"]
+        assert (out / k["files"]["cubin"]["path"]).read_bytes()[:4] == b"\x7fELF"
+        assert ".target sm_90a" in (out / k["files"]["ptx"]["path"]).read_text()
+        assert k["constexprs"] and k["signature"]
+    attn = next(k for k in kj["kernels"] if k["name"] == "bp_paged_attention_decode_fp16")
+    assert attn["constexprs"]["R"] == 2 and attn["constexprs"]["GS"] == 64 and attn["constexprs"]["PAGE"] == 16
+    header = (out / "bp_paged_attention_decode_fp16.h").read_text()
+    assert "bp_paged_attention_decode_fp16_launch(CUstream stream, unsigned int gridX" in header
+    check = kj["launcher_check"]
+    if K.find_cuda_include() is not None:
+        assert check["status"] == "ok", check  # the generated C launchers compiled against cuda.h
+    else:
+        assert check["status"] == "skipped" and check["reason"]
+    # second build: from the cache, same artifacts (kernels.json carries no timestamps)
+    out2 = tmp_path / "kernels2"
+    res2 = K.compile_engine_kernels(stage, _recipe(), out2)
+    assert res2["cached"] and (out2 / "kernels.json").read_text() == (out / "kernels.json").read_text()
+
+
+def test_compile_engine_kernels_skips_unsupported_shape(tmp_path):
+    import json
+
+    res = K.compile_engine_kernels(_stage(tmp_path, head_size=16), _recipe(), tmp_path / "kernels")
+    assert res["status"] == "skipped" and "head_size 16" in res["detail"]
+    assert json.loads((tmp_path / "kernels" / "kernels.json").read_text())["status"] == "skipped"
+
+
+def test_trt_plugin_is_not_pretended(tmp_path, monkeypatch):
+    """TensorRT is absent here: the build reports why (or raises when required), and the CMake project
+    configures far enough to say TensorRT is missing. Where TensorRT exists this test does not apply."""
+    import json
+    import shutil
+    import subprocess
+
+    from bpcompile.errors import MissingDependency
+
+    if K.find_tensorrt() is not None:
+        pytest.skip("TensorRT is installed here: the plugin build itself is exercised instead")
+    src = K.PLUGIN_SRC
+    assert (src / "CMakeLists.txt").is_file() and (src / "src" / "bpcompile_plugins.cpp").is_file()
+    code = (src / "src" / "bpcompile_plugins.cpp").read_text()
+    for needle in ("IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime", "IPluginCreatorV3One",
+                   '"bpcompile"', "getCreators", "registerCreator"):
+        assert needle in code
+    kdir = tmp_path / "kernels"
+    kdir.mkdir()
+    (kdir / "kernels.json").write_text(json.dumps({"status": "compiled"}))
+    res = K.build_trt_plugin(kdir, tmp_path / "plugin")
+    assert res["status"] == "skipped" and "TensorRT" in res["reason"]
+    assert not (tmp_path / "plugin" / K.PLUGIN_LIB).exists()
+    with pytest.raises(MissingDependency, match="TensorRT"):
+        K.build_trt_plugin(kdir, tmp_path / "plugin", required=True)
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not installed: the configure step can't be checked here")
+    monkeypatch.delenv("TENSORRT_ROOT", raising=False)
+    r = subprocess.run(["cmake", "-S", str(src), "-B", str(tmp_path / "build")], capture_output=True, text=True)
+    assert r.returncode != 0 and "TensorRT not found" in r.stdout + r.stderr

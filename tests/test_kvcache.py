@@ -1,0 +1,200 @@
+"""The KV format's oracle (docs/KV_FORMAT.md): bit patterns, error bounds, store layout, move(), bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bpcompile.errors import UserError
+from bpcompile.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
+                               dequantize_int4, dequantize_int8, encode_fp8_e4m3, fake_quantize, kv_store_factory,
+                               make_kv_store, pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
+from bpcompile.model import ModelConfig
+
+# the shipped tiny verifier's shape: 4 layers x 2 KV heads x head 64
+TINY = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_size=64,
+                   intermediate_size=512)
+
+
+def test_int4_nibble_order_half_split():
+    n = torch.arange(16, dtype=torch.uint8)  # D = 16: element j low nibble, element j + 8 high nibble
+    b = pack_int4(n)
+    assert b.tolist() == [j | ((j + 8) << 4) for j in range(8)]
+    assert torch.equal(unpack_int4(b), n)
+    r = torch.randint(0, 16, (3, 5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(r)), r)
+
+
+def test_int4_codes_and_error_bound():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 64, generator=g) * torch.logspace(-3, 3, 64)[:, None, None]
+    x[0, 0, :32] = 0  # an all-zero group
+    packed, s = quantize_int4(x, 32)
+    assert packed.shape == (64, 3, 32) and s.shape == (64, 3, 2) and s.dtype == torch.float16
+    nib = unpack_int4(packed)
+    assert nib.min() >= 1 and nib.max() <= 15  # offset binary, q in [-7, 7]
+    assert s[0, 0, 0] == 0 and (nib[0, 0, :32] == 8).all()
+    err = (dequantize_int4(packed, s, 32) - x).abs().reshape(64, 3, 2, 32)
+    amax = x.abs().reshape(64, 3, 2, 32).amax(-1, keepdim=True)
+    # half a step, plus what rounding the scale to fp16 can push past the clamp at ±7
+    assert (err <= s.float()[..., None] / 2 + amax * 2 ** -10).all()
+    # the plain bound holds away from the group maximum
+    inner = x.abs().reshape(64, 3, 2, 32) < 0.9 * amax
+    assert (err[inner] <= (s.float()[..., None] / 2 * (1 + 1e-6)).expand_as(err)[inner]).all()
+
+
+def test_int4_clip_saturates():
+    x = torch.tensor([[10.0, 1.0, -2.0, 0.5]])
+    packed, s = quantize_int4(x, 4, clip=0.5)
+    assert s.item() == pytest.approx(5 / 7, rel=1e-3)
+    assert (unpack_int4(packed).int() - 8).tolist() == [[7, 1, -3, 1]]
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    v = vals[~vals.isnan()].unique()
+    mids = (v[1:] + v[:-1]) / 2  # exact ties
+    big, small = torch.tensor(1e9), torch.tensor(-1e9)
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([v, mids, torch.nextafter(mids, big), torch.nextafter(mids, small),
+                      torch.randn(20000, generator=g) * 100, torch.randn(20000, generator=g) * 1e-2,
+                      torch.tensor([0.0, -0.0, 1e-12, -1e-12, 447.9, 448.0, 460.0, 1e6, -1e6])])
+
+
+def test_fp8_encode_matches_torch_bit_for_bit():
+    y = _e4m3_probe_values().clamp(-448, 448)
+    ours = encode_fp8_e4m3(y)
+    ref = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(ours, ref)
+    assert encode_fp8_e4m3(torch.tensor([1e6, -1e6])).tolist() == [0x7E, 0xFE]  # saturates, never NaN
+
+
+def test_fp8_decode_matches_torch():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = codes.view(torch.float8_e4m3fn).float()
+    ok = ~ref.isnan()
+    assert torch.equal(decode_fp8_e4m3(codes)[ok], ref[ok])
+
+
+def test_fp8_relative_error_in_normal_range():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(500, 64, generator=g) * torch.logspace(-2, 2, 500)[:, None]
+    codes, s = quantize_fp8(x, 64)
+    y = dequantize_fp8(codes, s, 64)
+    normal = (x / s.float()).abs() >= 2 ** -6
+    assert ((y - x).abs() <= 2 ** -4 * x.abs() * (1 + 1e-5))[normal].all()
+
+
+def test_int8_error_bound():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 64, generator=g)
+    q, s = quantize_int8(x, 16)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    err = (dequantize_int8(q, s, 16) - x).abs().reshape(200, 4, 16)
+    assert (err <= s.float()[..., None] / 2 + x.abs().reshape(200, 4, 16).amax(-1, keepdim=True) * 2 ** -10).all()
+
+
+def mixed_plan(cfg=TINY, group_size=32) -> KVPlan:
+    """Every precision present, channel scales and clip ratios not 1: the whole write/read path."""
+    L, KV, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_size
+    prec = [{"k": ["fp8", "int4"], "v": ["int4", "int8"]} if l % 2 else {"k": ["int4", "int4"], "v": ["int4", "fp8"]}
+            for l in range(L)]
+    g = torch.Generator().manual_seed(3)
+    kcs = torch.rand(L, KV, D, generator=g) * 4 + 0.25
+    clip = torch.full((L, 2, KV), 0.9)
+    return KVPlan("int4-fp8-outlier", L, KV, D, group_size, prec, kcs, clip, 0.25)
+
+
+def test_store_read_is_fake_quantize_per_unit():
+    plan = mixed_plan()
+    store = make_kv_store(plan, TINY, num_pages=4, page_size=8)
+    g = torch.Generator().manual_seed(4)
+    slots = torch.tensor([0, 5, 9, 31, 17])
+    for layer in range(TINY.num_layers):
+        k = torch.randn(5, 2, 64, generator=g) * 3
+        v = torch.randn(5, 2, 64, generator=g)
+        store.write(layer, slots, k, v)
+        kr, vr = store.read(layer, slots)
+        for h in range(2):
+            pk, pv = plan.precision[layer]["k"][h], plan.precision[layer]["v"][h]
+            ck = plan.int4_clip[layer, 0, h].item() if pk == "int4" else 1.0
+            cv = plan.int4_clip[layer, 1, h].item() if pv == "int4" else 1.0
+            assert torch.equal(kr[:, h], fake_quantize(k[:, h], pk, 32, plan.k_channel_scale[layer, h], ck))
+            assert torch.equal(vr[:, h], fake_quantize(v[:, h], pv, 32, None, cv))
+        assert (kr - k).norm() < 0.5 * k.norm() and (vr - v).norm() < 0.2 * v.norm()  # a quantization, not garbage
+
+
+def test_move_is_an_exact_copy():
+    """Compaction after tree verification: moved bytes == bytes appended in order at the destination."""
+    plan = mixed_plan()
+    a = make_kv_store(plan, TINY, 4, 8)
+    b = make_kv_store(plan, TINY, 4, 8)
+    g = torch.Generator().manual_seed(5)
+    src, dst = torch.tensor([20, 22, 25]), torch.tensor([3, 4, 5])
+    for layer in range(TINY.num_layers):
+        k, v = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+        a.write(layer, src, k, v)
+        b.write(layer, dst, k, v)
+    a.move(src, dst)
+    for pa, pb in zip(a.pools(), b.pools()):
+        pgs, offs = dst // 8, dst % 8
+        assert torch.equal(pa[pgs, :, offs], pb[pgs, :, offs])
+    for layer in range(TINY.num_layers):
+        for x, y in zip(a.read(layer, dst), b.read(layer, dst)):
+            assert torch.equal(x, y)
+
+
+def test_float_store_still_works():
+    s = FloatKVStore(2, 2, 8, num_pages=2, page_size=4, dtype=torch.float16)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    s.write(1, torch.tensor([0, 5, 6]), k, v)
+    s.move(torch.tensor([5, 6]), torch.tensor([1, 2]))
+    kr, vr = s.read(1, torch.tensor([0, 1, 2]))
+    assert torch.equal(kr, k.half()) and torch.equal(vr, v.half())
+
+
+def test_nbytes_and_compression_of_default_plan():
+    """Default tiny plan: 15 INT4 units (32 B + one fp16 scale) + 1 FP8 unit (64 B + scale) per token."""
+    L, KV, D = 4, 2, 64
+    prec = [{"k": ["int4", "int4"], "v": ["int4", "int4"]} for _ in range(L)]
+    prec[0]["v"][1] = "fp8"
+    plan = KVPlan("int4-fp8-outlier", L, KV, D, 64, prec, torch.ones(L, KV, D), torch.ones(L, 2, KV), 0.08)
+    assert plan.bytes_per_token() == 15 * 34 + 66 == 576
+    pages, S = 64, 16
+    store = make_kv_store(plan, TINY, pages, S)
+    static = 16 + 16 * 4 + L * KV * D * 4 + 16 * 4  # unit_precision, unit_index, k_channel_scale, int4_clip
+    assert store.nbytes() == pages * S * 576 + static
+    fp16 = make_kv_store(KVPlan.uniform("fp16", L, KV, D), TINY, pages, S)
+    assert isinstance(fp16, FloatKVStore) and fp16.nbytes() == pages * S * 2048
+    assert fp16.nbytes() / store.nbytes() >= 3.5
+    naive = KVPlan.uniform("int4-naive", L, KV, D)
+    assert naive.effective_group_size == 64 and naive.bytes_per_token() == 16 * 34
+    assert KVPlan.uniform("fp8", L, KV, D).compression_vs_fp16() == pytest.approx(128 / 66)
+
+
+def test_plan_save_load_roundtrip_and_factory(tmp_path):
+    plan = mixed_plan()
+    plan.save(tmp_path / "a")
+    back = KVPlan.load(tmp_path / "a")
+    assert back.precision == plan.precision and back.group_size == 32
+    assert torch.equal(back.k_channel_scale, plan.k_channel_scale) and torch.equal(back.int4_clip, plan.int4_clip)
+    back.save(tmp_path / "b")
+    for f in ("plan.json", "scales.safetensors"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+    store = kv_store_factory(back)(TINY, 2, 16, "cpu")
+    assert isinstance(store, QuantKVStore) and store.q8.shape == (2, 4, 16, 64)
+
+
+def test_bad_plans_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="format"):
+        KVPlan("int3", 1, 1, 64)
+    with pytest.raises(UserError, match="precision"):
+        KVPlan("int4-fp8-outlier", 1, 2, 64, 64, [{"k": ["int4"], "v": ["int4", "int4"]}])
+    with pytest.raises(UserError, match="int2"):
+        KVPlan("int4-fp8-outlier", 1, 1, 64, 64, [{"k": ["int2"], "v": ["int4"]}])
+    with pytest.raises(UserError, match="divide"):
+        KVPlan.uniform("fp8", 1, 1, 64, group_size=48)
+    with pytest.raises(UserError, match="plan.json"):
+        KVPlan.load(tmp_path)
+    with pytest.raises(UserError, match="KV heads"):
+        make_kv_store(KVPlan.uniform("fp8", 4, 1, 64), TINY, 2, 16)
