@@ -1,0 +1,69 @@
+"""Engine versions for the serving tests: real converted checkpoints in an engine version directory.
+
+Source of the models, first that exists:
+1. $BPCOMPILE_TEST_ENGINE: an engine version directory (e.g. engines/tiny/1 from `bpcompile build recipes/tiny.yaml`),
+2. the shipped tiny pair models/tiny/{verifier,draft} (converted here with bpcompile.convert),
+3. small random Llamas with the tiny tokenizer (the draft a copy of the verifier, so drafts are accepted).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "models" / "tiny"
+
+RECIPE = {
+    "name": "tiny",
+    "limits": {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512},
+    "kv_cache": {"format": "fp16", "page_size": 16},
+    "speculative": {"tree": "dynamic", "nodes": 5},
+    "target": "native",
+    "triton": {"emit": True, "version_policy": "latest", "generator_instances": 1},
+}
+
+
+def _hf_pair(root: Path) -> tuple[Path, Path]:
+    if (TINY / "verifier" / "config.json").is_file() and (TINY / "draft" / "config.json").is_file():
+        return TINY / "verifier", TINY / "draft"
+    from tests.pairs import make_model
+
+    v = root / "hf-verifier"
+    if not (v / "config.json").is_file():
+        make_model(v, vocab=4096, seed=0, hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+        shutil.copy2(TINY / "verifier" / "tokenizer.json", v)
+        shutil.copy2(TINY / "verifier" / "tokenizer_config.json", v)
+    return v, v
+
+
+def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = None) -> Path:
+    """An engine version directory at dst (verifier/, draft/, tokenizer/, recipe.yaml, manifest.json)."""
+    src = os.environ.get("BPCOMPILE_TEST_ENGINE")
+    dst = Path(dst)
+    if src:
+        shutil.copytree(src, dst)
+        if recipe_overrides:
+            r = yaml.safe_load((dst / "recipe.yaml").read_text())
+            r.update(recipe_overrides)
+            (dst / "recipe.yaml").write_text(yaml.safe_dump(r))
+        m = json.loads((dst / "manifest.json").read_text())
+        m["version"] = version
+        (dst / "manifest.json").write_text(json.dumps(m))
+        return dst
+    from bpcompile.convert import convert_checkpoint
+
+    v, d = _hf_pair(dst.parent)
+    dst.mkdir(parents=True)
+    convert_checkpoint(v, dst / "verifier")
+    convert_checkpoint(d, dst / "draft")
+    (dst / "tokenizer").mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(v / f, dst / "tokenizer" / f)
+    (dst / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, **(recipe_overrides or {})}))
+    (dst / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version,
+                                                   "build_id": f"test-{version}-{v.name}"}))
+    return dst

@@ -1,0 +1,238 @@
+"""A real tritonserver (the binary bundled in nvidia-pytriton) serving an emitted repository; real clients.
+
+One server for the module (explicit model control, so the last test can load a new engine version).
+Reference outputs come from the in-process runtime (`Generator.from_engine`) on the same engine version.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("pytriton")
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from bpcompile.triton.client import (RemoteError, _grpc_client, bench_remote, generate_remote, load_model,  # noqa: E402
+                                     load_version, repository_index, unload_model)
+from bpcompile.triton.emit import add_version, emit_repository, set_version_policy  # noqa: E402
+from bpcompile.triton.serve import ServerProcess  # noqa: E402
+from tests.serving_fixtures import make_engine  # noqa: E402
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["The quick brown fox", "def main():", "Unicode: 日本語 and € and 😀", "Lists are mutable sequences",
+           "import os", "class Foo:", "Error handling with try", "for i in range(10):", "Numbers: 3.14159",
+           "Hello, world!", "The with statement", "yield from", "lambda x: x", "a = [1, 2, 3]",
+           "Strings are immutable", "async def f():"]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    return {1: make_engine(root / "1", 1), 2: make_engine(root / "2", 2)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engines):
+    return Tokenizer.from_file(str(engines[1] / "tokenizer" / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def server(engines, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("triton") / "repo"
+    emit_repository([(1, engines[1])], repo)
+    s = ServerProcess(repo, model_control="explicit", log_file=repo.parent / "server.log", startup_timeout=240)
+    with s:
+        s.repo = repo
+        yield s
+    assert s.proc.returncode == 0, (s.proc.returncode, s.log_tail())  # SIGTERM -> clean shutdown
+
+
+@pytest.fixture(scope="module")
+def reference(engines, tokenizer):
+    """Greedy outputs of the in-process runtime for PROMPTS, with the end id the server uses."""
+    from bpcompile.runtime import Generator, SamplingParams
+
+    gen = Generator.from_engine(engines[1])
+    eos = tokenizer.token_to_id("</s>")
+    ids = [tokenizer.encode(p).ids for p in PROMPTS]
+    out = gen.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, end_id=eos))
+    return {p: toks for p, (toks, _) in zip(PROMPTS, out)}
+
+
+def test_http_generate_matches_runtime(server, reference, tokenizer):
+    for p in PROMPTS[:3]:
+        r = generate_remote(server.http_url, p, MAX_TOKENS, stream=False, protocol="http")
+        assert r["token_ids"] == reference[p]
+        assert r["text"] == tokenizer.decode(reference[p])
+        assert r["engine_version"] == 1 and r["finish_reason"] in ("length", "stop")
+
+
+def test_http_generate_endpoint_raw(server, reference, tokenizer):
+    """Plain JSON as tensorrtllm_backend's README sends it; streamed as server-sent events."""
+    p = PROMPTS[0]
+    body = json.dumps({"text_input": p, "max_tokens": MAX_TOKENS}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/generate",
+                                                       data=body), timeout=60) as r:
+        d = json.loads(r.read())
+    assert d["text_output"] == tokenizer.decode(reference[p])
+    assert 0.0 <= d["acceptance_rate"] <= 1.0 and d["total_draft_tokens"] >= d["total_accepted_draft_tokens"]
+    s = generate_remote(server.http_url, p, MAX_TOKENS, stream=True, protocol="http")
+    assert s["responses"] > 1 and s["text"] == d["text_output"] and s["token_ids"] == reference[p]
+
+
+def test_grpc_streaming_is_incremental_and_matches(server, reference, tokenizer):
+    for p in PROMPTS[:4]:
+        pieces, times = [], []
+        r = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=True,
+                            on_text=lambda t: (pieces.append(t), times.append(time.perf_counter())))
+        whole = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=False)
+        assert r["token_ids"] == whole["token_ids"] == reference[p]
+        assert "".join(pieces) == r["text"] == whole["text"] == tokenizer.decode(reference[p])
+        assert whole["responses"] == 1 and r["responses"] > 1 and r["out_of_order"] == 0
+        assert r["ttft_s"] < r["latency_s"] and times[0] < times[-1]  # text arrived in pieces, over time
+        assert r["verifier_steps"] >= 1 and r["tokens_per_step"] >= 1.0 and r["total_draft_tokens"] > 0
+
+
+def test_sixteen_concurrent_clients(server, reference):
+    results, errors = {}, []
+
+    def one(p):
+        try:
+            results[p] = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=True)
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 16
+    for p in PROMPTS:
+        assert results[p]["token_ids"] == reference[p], p
+        assert results[p]["out_of_order"] == 0
+
+
+def _grpc_raw(server, inputs, model="ensemble"):
+    """Send raw tensors [(name, array, triton dtype)] over a stream; return the error text (or None)."""
+    import tritonclient.grpc as g
+
+    c = _grpc_client(server.grpc_url)
+    try:
+        ins = []
+        for name, arr, dt in inputs:
+            t = g.InferInput(name, list(arr.shape), dt)
+            t.set_data_from_numpy(arr)
+            ins.append(t)
+        c.async_stream_infer(model, ins, request_id="bad", enable_empty_final_response=True)
+        while True:
+            result, error = c._bp_queue.get(timeout=60)
+            if error is not None:
+                return str(error)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return None
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def test_malformed_requests_get_clear_errors(server):
+    text = lambda s: ("text_input", np.array([[s]], dtype=object), "BYTES")  # noqa: E731
+    cases = {
+        "missing text_input": ([("max_tokens", np.array([[4]], dtype=np.int32), "INT32")], "text_input"),
+        "max_tokens 0": ([text(b"hi"), ("max_tokens", np.array([[0]], dtype=np.int32), "INT32")], "max_tokens must be > 0"),
+        "max_tokens too big": ([text(b"hi"), ("max_tokens", np.array([[100000]], dtype=np.int32), "INT32")],
+                               "above this engine's limit"),
+        "wrong dtype": ([text(b"hi"), ("max_tokens", np.array([[4.0]], dtype=np.float32), "FP32")], "data-type is 'FP32'"),
+        "empty prompt": ([text(b"   "), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")], "empty"),
+        "invalid utf-8": ([text(b"\xff\xfe\xfa"), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
+                          "not valid UTF-8"),
+        "bad_words": ([text(b"hi"), ("bad_words", np.array([[b"foo"]], dtype=object), "BYTES")], "bad_words"),
+        "top_p 0": ([text(b"hi"), ("top_p", np.array([[0.0]], dtype=np.float32), "FP32")], "top_p"),
+    }
+    for what, (inputs, expect) in cases.items():
+        err = _grpc_raw(server, inputs)
+        assert err is not None and expect in err, (what, err)
+    with pytest.raises(RemoteError, match="max_tokens must be > 0"):
+        generate_remote(server.http_url, "hi", 0, stream=False, protocol="http")
+    assert server.healthy()
+    assert generate_remote(server.grpc_url, PROMPTS[0], 4)["tokens"] == 4  # still serving
+
+
+def test_cancellation_stops_generation(server):
+    """Cancelled on the gRPC stream, the generator drops the request from its batch. Sent to the generator model
+    directly: tritonserver 2.51 propagates an ensemble's cancellation only between steps (core PR #263), never
+    into a step that is already running, so a request cancelled at the ensemble runs to its end (documented)."""
+    import tritonclient.grpc as g
+
+    c = _grpc_client(server.grpc_url)
+    ins = []
+    for name, arr, dt in [("input_ids", np.array([[1, 500, 600]], dtype=np.int32), "INT32"),
+                          ("input_lengths", np.array([[3]], dtype=np.int32), "INT32"),
+                          ("request_output_len", np.array([[500]], dtype=np.int32), "INT32"),
+                          ("streaming", np.array([[True]]), "BOOL")]:
+        t = g.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        ins.append(t)
+    c.async_stream_infer("generator", ins, request_id="to-cancel", enable_empty_final_response=True)
+    result, error = c._bp_queue.get(timeout=60)
+    assert error is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline, found = time.monotonic() + 20, None
+    while time.monotonic() < deadline and not found:
+        found = [line for line in server.log_file.read_text().splitlines() if "generator: cancelled request" in line]
+        time.sleep(0.2)
+    assert found, server.log_tail()
+    n = int(found[-1].rsplit(" after ", 1)[1].split()[0])
+    assert n < 500  # stopped early
+    assert server.healthy() and generate_remote(server.grpc_url, PROMPTS[1], 4)["tokens"] == 4
+
+
+def test_bench_remote_reports(server):
+    r = bench_remote(server.grpc_url, PROMPTS[:4], n=4, concurrency=2, max_tokens=8, warmup=0)
+    assert r["requests"] == 4 and r["errors"] == 0 and r["output_tokens"] == 32
+    assert r["ttft_s"]["p50"] > 0 and r["latency_s"]["p99"] >= r["latency_s"]["p50"]
+    assert r["tokens_per_step"] >= 1.0 and r["output_tokens_per_s"] > 0
+    json.dumps(r)
+
+
+def test_new_version_is_picked_up_old_answers_until_unloaded(server, engines, reference):
+    """Runs last: it changes what the module's server serves."""
+    url, p = server.http_url, PROMPTS[0]
+    add_version(server.repo, 2, engines[2])
+    assert generate_remote(server.grpc_url, p, 4)["engine_version"] == 1  # publishing disturbs nothing
+
+    inflight, during = {}, []
+    t = threading.Thread(target=lambda: inflight.update(generate_remote(server.grpc_url, p, 200, stream=True)))
+    t.start()
+    loader = threading.Thread(target=lambda: load_version(url))
+    loader.start()  # policy 'latest': version 2 loads while version 1 serves; then version 1 unloads
+    while loader.is_alive():
+        during.append(generate_remote(server.grpc_url, p, 4)["engine_version"])
+    loader.join()
+    t.join(120)
+    new = generate_remote(server.grpc_url, p, MAX_TOKENS)
+    assert during and during[0] == 1 and set(during) <= {1, 2}  # the old version answered while v2 loaded
+    assert new["engine_version"] == 2 and new["token_ids"] == reference[p]  # same weights in both versions
+    assert inflight["engine_version"] == 1 and inflight["finish_reason"] in ("length", "stop")
+    idx = {(m["name"], m["version"]): m["state"] for m in repository_index(url)}
+    assert idx[("generator", "2")] == "READY" and idx.get(("generator", "1")) != "READY"
+
+    set_version_policy(server.repo, {"specific": [1]})  # rollback
+    load_version(url)
+    assert generate_remote(server.grpc_url, p, 4)["engine_version"] == 1
+
+    unload_model(url, "ensemble")
+    with pytest.raises(RemoteError):
+        generate_remote(server.grpc_url, p, 4)
+    load_model(url, "ensemble")
+    assert generate_remote(server.grpc_url, p, 4)["tokens"] == 4

@@ -1,0 +1,256 @@
+"""The emitted repository, without a server: configs parse with Triton's own schema, the ensemble is wired,
+versions are added without touching what is served, and the streamed-text contract telescopes."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("tritonclient.grpc")
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from bpcompile.errors import UserError  # noqa: E402
+from bpcompile.triton import emit  # noqa: E402
+from bpcompile.triton.emit import (add_version, emit_repository, mc, publish_version, read_config,  # noqa: E402
+                                   set_version_policy)
+from bpcompile.triton.protocol import context_window, delta_text, pack_words, unpack_words  # noqa: E402
+
+TINY_TOK = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
+MODELS = ("ensemble", "preprocessing", "generator", "postprocessing")
+
+
+def engine_dir(root: Path, version: int, target: str = "native", **recipe) -> Path:
+    """An engine version's layout (what emit reads and copies); the checkpoints are stand-in files because
+    nothing here loads them (tests/test_serving.py serves real ones)."""
+    d = root / str(version)
+    for sub in ("verifier", "draft"):
+        (d / sub).mkdir(parents=True)
+        (d / sub / "config.json").write_text("{}")
+    (d / "tokenizer").mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(TINY_TOK / f, d / "tokenizer" / f)
+    r = {"name": "tiny", "target": target, "limits": {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512},
+         "speculative": {"tree": "dynamic", "nodes": 5}, "triton": {"version_policy": "latest", "generator_instances": 1}}
+    r.update(recipe)
+    (d / "recipe.yaml").write_text(yaml.safe_dump(r))
+    (d / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version, "build_id": f"b{version}"}))
+    return d
+
+
+@pytest.fixture
+def repo(tmp_path):
+    e = engine_dir(tmp_path / "engines", 1)
+    emit_repository([(1, e)], tmp_path / "repo")
+    return tmp_path / "repo"
+
+
+def configs(repo: Path) -> dict[str, mc.ModelConfig]:
+    return {m: read_config(repo / m / "config.pbtxt") for m in MODELS}
+
+
+def check_wiring(cfgs: dict[str, mc.ModelConfig]) -> None:
+    """What Triton's ensemble validator demands: each step's maps name real tensors of its model with matching
+    types; every ensemble input is used; every tensor has one producer that runs before its consumers; every
+    ensemble output is produced."""
+    ens = cfgs["ensemble"]
+    types = {i.name: i.data_type for i in ens.input}
+    used = set()
+    producers: dict[str, str] = {}
+    for step in ens.ensemble_scheduling.step:
+        m = cfgs[step.model_name]
+        assert step.model_version == -1
+        assert m.max_batch_size >= ens.max_batch_size
+        m_in = {i.name: i for i in m.input}
+        m_out = {o.name: o for o in m.output}
+        for key, tensor in step.input_map.items():
+            assert key in m_in, (step.model_name, key)
+            assert tensor in types, f"{tensor} consumed by {step.model_name} before anything produced it"
+            assert types[tensor] == m_in[key].data_type, (step.model_name, key)
+            used.add(tensor)
+        for name, i in m_in.items():
+            assert i.optional or name in step.input_map, f"required {step.model_name}.{name} is not fed"
+        for key, tensor in step.output_map.items():
+            assert key in m_out, (step.model_name, key)
+            assert tensor not in producers and tensor not in {i.name for i in ens.input}, tensor
+            producers[tensor] = step.model_name
+            types[tensor] = m_out[key].data_type
+    assert {i.name for i in ens.input} <= used, {i.name for i in ens.input} - used
+    for o in ens.output:
+        assert o.name in producers and types[o.name] == o.data_type, o.name
+    internal = set(producers) - {o.name for o in ens.output}
+    assert internal <= used, f"produced but never consumed: {internal - used}"
+
+
+def test_every_config_parses_and_round_trips(repo):
+    from google.protobuf import text_format
+
+    for m, cfg in configs(repo).items():
+        assert cfg.name == m
+        text = (repo / m / "config.pbtxt").read_text()
+        assert text_format.MessageToString(cfg) == text  # written from the message, nothing else
+
+
+def test_native_repository_layout_and_semantics(repo):
+    cfgs = configs(repo)
+    check_wiring(cfgs)
+    g, post = cfgs["generator"], cfgs["postprocessing"]
+    assert g.backend == "python" and g.model_transaction_policy.decoupled
+    assert cfgs["ensemble"].platform == "ensemble" and not cfgs["ensemble"].instance_group
+    assert [i.count for i in post.instance_group] == [1]  # response order (emit.py)
+    assert g.version_policy.latest.num_versions == 1
+    names = {i.name for i in cfgs["ensemble"].input}
+    assert {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "end_id",
+            "stop_words", "bad_words"} <= names
+    outs = {o.name for o in cfgs["ensemble"].output}
+    assert {"text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+            "tokens_per_step"} <= outs
+    for m in ("preprocessing", "generator", "postprocessing"):
+        assert (repo / m / "1" / "model.py").is_file()
+    assert (repo / "generator" / "1" / "engine" / "verifier" / "config.json").is_file()  # a copy
+    assert not (repo / "generator" / "1" / "engine").is_symlink()
+    assert (repo / "preprocessing" / "1" / "tokenizer" / "tokenizer.json").is_file()
+    assert json.loads((repo / "generator" / "1" / "engine_source.json").read_text())["build_id"] == "b1"
+    assert (repo / "ensemble" / "1").is_dir()
+
+
+def test_broken_wiring_is_detected(repo):
+    """The wiring check itself can fail: drop a mapping and it must say so."""
+    cfgs = configs(repo)
+    step = cfgs["ensemble"].ensemble_scheduling.step[2]
+    del step.input_map["READ_OFFSET"]
+    with pytest.raises(AssertionError):
+        check_wiring(cfgs)
+
+
+def test_tensorrt_llm_target(tmp_path):
+    e = engine_dir(tmp_path / "engines", 3, target="tensorrt-llm")
+    repo = tmp_path / "repo"
+    emit_repository([(3, e)], repo)
+    cfgs = configs(repo)
+    check_wiring(cfgs)
+    g = cfgs["generator"]
+    p = {k: v.string_value for k, v in g.parameters.items()}
+    assert g.backend == "tensorrtllm" and g.model_transaction_policy.decoupled
+    assert p["gpt_model_type"] == "inflight_fused_batching"
+    assert p["gpt_model_path"] == str((repo / "generator" / "3" / "engine" / "trtllm" / "verifier").resolve())
+    assert float(p["kv_cache_free_gpu_mem_fraction"]) == 0.9
+    assert p["batch_scheduler_policy"] in ("guaranteed_no_evict", "max_utilization")
+    assert p["decoupled_mode"] == "true" and p["max_beam_width"] == "1"
+    ids = next(i for i in g.input if i.name == "input_ids")
+    assert ids.allow_ragged_batch
+    assert next(i for i in g.input if i.name == "request_output_len").HasField("reshape")
+    assert {"output_ids", "sequence_length", "acceptance_rate"} <= {o.name for o in g.output}
+    assert cfgs["postprocessing"].parameters["input_format"].string_value == "trtllm"
+    # a new version re-points the engine path (the C++ backend ignores version directories)
+    add_version(repo, 4, engine_dir(tmp_path / "engines", 4, target="tensorrt-llm"))
+    g = read_config(repo / "generator" / "config.pbtxt")
+    assert g.parameters["gpt_model_path"].string_value.endswith("generator/4/engine/trtllm/verifier")
+
+
+def test_add_version_leaves_served_configs_alone(repo, tmp_path):
+    before = {m: (repo / m / "config.pbtxt").read_bytes() for m in MODELS}
+    r = add_version(repo, 2, engine_dir(tmp_path / "engines", 2))
+    assert r["versions"] == [1, 2] and r["note"] is None
+    assert {m: (repo / m / "config.pbtxt").read_bytes() for m in MODELS} == before
+    assert not [p for m in MODELS for p in (repo / m).iterdir() if p.name.startswith(".")]  # no staging left
+    with pytest.raises(UserError, match="immutable"):
+        add_version(repo, 2, engine_dir(tmp_path / "again", 2))
+    with pytest.raises(UserError, match="target"):
+        add_version(repo, 5, engine_dir(tmp_path / "engines", 5, target="tensorrt-llm"))
+
+
+def test_version_policies_and_rollback(repo, tmp_path):
+    add_version(repo, 2, engine_dir(tmp_path / "engines", 2))
+    set_version_policy(repo, {"specific": [1]})
+    for m in ("preprocessing", "generator", "postprocessing"):
+        assert list(read_config(repo / m / "config.pbtxt").version_policy.specific.versions) == [1]
+    set_version_policy(repo, "all")
+    assert read_config(repo / "generator" / "config.pbtxt").version_policy.HasField("all")
+    set_version_policy(repo, {"latest": 2})
+    assert read_config(repo / "generator" / "config.pbtxt").version_policy.latest.num_versions == 2
+    with pytest.raises(UserError, match="does not have"):
+        set_version_policy(repo, {"specific": [7]})
+    with pytest.raises(UserError, match="version_policy"):
+        set_version_policy(repo, "newest")
+
+
+def test_emit_reads_recipe_and_refuses_overwrite(tmp_path):
+    e = engine_dir(tmp_path / "engines", 1, triton={"version_policy": {"specific": [1]}, "generator_instances": 2},
+                   limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128})
+    s = emit_repository([(1, e)], tmp_path / "repo", tree={"kind": "none"})
+    g = read_config(tmp_path / "repo" / "generator" / "config.pbtxt")
+    assert s["max_batch_size"] == 4 and g.max_batch_size == 4 and g.instance_group[0].count == 2
+    assert list(g.version_policy.specific.versions) == [1]
+    assert json.loads(g.parameters["tree"].string_value) == {"kind": "none"}
+    with pytest.raises(UserError, match="already holds"):
+        emit_repository([(1, e)], tmp_path / "repo")
+    with pytest.raises(UserError, match="recipe.yaml"):
+        emit_repository([(1, tmp_path)], tmp_path / "other")
+
+
+def test_publish_version_emits_then_adds_idempotently(tmp_path):
+    repo = tmp_path / "repo"
+    e1, e2 = engine_dir(tmp_path / "engines", 1), engine_dir(tmp_path / "engines", 2)
+    publish_version(repo, e1, 1)
+    assert publish_version(repo, e1, 1)["note"] == "already present"
+    assert publish_version(repo, e2, 2)["versions"] == [1, 2]
+
+
+# --- the streamed-text contract ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file(str(TINY_TOK / "tokenizer.json"))
+
+
+def stream_text(tok, ids, cuts, shuffle_seed=None):
+    """Split ids at `cuts` into responses, decode each on its own (as postprocessing does), optionally in a
+    shuffled order, then join by response index (as delivered in order)."""
+    decode = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
+    bounds = [0, *cuts, len(ids)]
+    msgs = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        ctx, read = context_window(ids, a, b)
+        msgs.append((i, ctx, read, b == len(ids)))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(msgs)
+    pieces = {i: delta_text(decode, ctx, read, final) for i, ctx, read, final in msgs}
+    return "".join(pieces[i] for i in sorted(pieces))
+
+
+def test_streamed_pieces_join_to_the_full_decode(tok):
+    rng = random.Random(0)
+    texts = ["Hello wörld € 日本語 😀 ok", "naïve café — “quotes” 🎉🎉 end", "plain ascii text with spaces  "]
+    cases = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    cases += [[rng.randrange(4, 4096) for _ in range(60)] for _ in range(20)]  # random ids: broken UTF-8 too
+    for ids in cases:
+        full = tok.decode(ids, skip_special_tokens=True)
+        for trial in range(5):
+            cuts = sorted(rng.sample(range(1, len(ids)), k=min(len(ids) - 1, rng.randrange(1, 12))))
+            assert stream_text(tok, ids, cuts, shuffle_seed=trial) == full
+        assert stream_text(tok, ids, list(range(1, len(ids)))) == full  # one token per response
+
+
+def test_naive_per_response_decode_would_be_wrong(tok):
+    """Why the context is needed: decoding each response's tokens alone breaks multi-byte characters."""
+    ids = tok.encode("€ 日本語 😀", add_special_tokens=False).ids
+    naive = "".join(tok.decode([i]) for i in ids)
+    assert naive != tok.decode(ids) and stream_text(tok, ids, list(range(1, len(ids)))) == tok.decode(ids)
+
+
+def test_word_lists_round_trip():
+    words = [[5, 6], [7], [8, 9, 10]]
+    arr = pack_words(words)
+    assert arr.shape == (2, 6) and list(arr[1][:3]) == [2, 3, 6] and list(arr[1][3:]) == [-1, -1, -1]
+    assert unpack_words(arr) == words
+    assert unpack_words(pack_words([])) == [] and pack_words([]).tolist() == [[0], [-1]]
+
+
+def test_models_dir_has_the_three_python_models():
+    assert sorted(p.name for p in emit.MODELS_DIR.glob("*.py")) == ["generator.py", "postprocessing.py",
+                                                                     "preprocessing.py"]
