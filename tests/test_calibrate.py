@@ -1,0 +1,146 @@
+"""KV calibration and the fidelity eval on small real checkpoints (random HF Llama -> converted)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bpcompile.calibrate import KVCalibConfig, calibrate, calibrate_engine_stage, n_outlier_units
+from bpcompile.convert import convert_checkpoint
+from bpcompile.errors import UserError
+from bpcompile.evaluate import (allocated_compression, cached_forward, evaluate, evaluate_engine,
+                                evaluate_engine_report, inject_key_outliers)
+from bpcompile.kvcache import KVPlan
+from bpcompile.model import Llama
+from conftest import make_hf_llama
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Converted 3-layer GQA Llama (4 heads / 2 KV heads, head 16, 12 units) + a matching tokenizer."""
+    from pairs import make_tokenizer
+
+    root = tmp_path_factory.mktemp("cal")
+    hf = make_hf_llama(root / "hf", vocab_size=VOCAB)
+    convert_checkpoint(hf, root / "ckpt")
+    make_tokenizer(root / "tok", vocab=VOCAB)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return Llama.from_checkpoint(ckpt / "ckpt")
+
+
+def samples(n, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (n, T), generator=g).tolist()
+
+
+CFG = {"format": "int4-fp8-outlier", "outlier_fraction": 0.25, "group_size": 16, "page_size": 16}
+
+
+def test_outlier_unit_count():
+    assert n_outlier_units(0.08, 16) == 1 and n_outlier_units(0.08, 1280) == 102
+    assert n_outlier_units(0.0, 16) == 0 and n_outlier_units(0.001, 16) == 1 and n_outlier_units(0.16, 16) == 3
+    assert n_outlier_units(1.0, 12) == 12
+
+
+def test_calibration_is_deterministic_and_picks_the_worst_units(model, tmp_path):
+    s = samples(4, 32, 0)
+    plan, report = calibrate(model, s, CFG)
+    again, _ = calibrate(model, [list(x) for x in s], dict(CFG))
+    plan.save(tmp_path / "a")
+    again.save(tmp_path / "b")
+    for f in ("plan.json", "scales.safetensors"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+    units = [u for layer in report["layers"] for u in layer["units"]]
+    assert len(units) == 12 and report["fp8_units"] == 3
+    fp8 = [u for u in units if u["precision"] == "fp8"]
+    worst_int4 = min(u["int4_error"] for u in fp8)
+    assert len(fp8) == 3 and all(u["int4_error"] <= worst_int4 for u in units if u["precision"] == "int4")
+    assert all(u["fp8_error"] < u["int4_error"] and u["int4_error"] <= u["naive_int4_error"] + 1e-12 for u in units)
+    assert [p[t][h] for p in plan.precision for t in "kv" for h in range(2)] == [u["precision"] for u in units]
+    # another sample set is another measurement: the error table must change with the input
+    other, _ = calibrate(model, samples(4, 32, 1), CFG)
+    assert other.calibration["layers"] != plan.calibration["layers"]
+
+
+def test_quantized_cache_forward_and_eval(model):
+    c = model.cfg
+    tok = torch.tensor(samples(2, 24, 2))
+    fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
+    assert (cached_forward(model, tok, fp16) - model.forward(tok)).abs().max() < 1e-2
+    plan, _ = calibrate(model, samples(4, 32, 0), CFG)
+    rep = evaluate(model, {"fp16": "fp16", "int4-naive": "int4-naive", "ours": plan}, samples(4, 24, 3), batch=2)
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert rows["fp16"]["top1_agreement"] == 1.0 and rows["fp16"]["ppl_delta_pct"] == 0.0
+    naive, ours = rows["int4-naive"], rows["ours"]
+    assert 0 < sum(ours["attn_rel_error"]) < sum(naive["attn_rel_error"])
+    assert ours["compression_vs_fp16"] == pytest.approx(allocated_compression(plan, c), abs=1e-4)
+    assert "| ours |" in rep["markdown"]
+
+
+def test_outlier_injection_preserves_function_and_hurts_naive_int4(model):
+    c = model.cfg
+    inj = inject_key_outliers(model, factor=30.0)
+    tok = torch.tensor(samples(2, 20, 4))
+    assert (inj.forward(tok) - model.forward(tok)).abs().max() < 1e-4
+    _, report = calibrate(inj, samples(4, 32, 0), {**CFG, "outlier_fraction": 0.0})
+    for layer in report["layers"]:
+        k0 = next(u for u in layer["units"] if u["kind"] == "k" and u["head"] == 0)  # the injected head
+        assert k0["naive_int4_error"] > 3 * k0["int4_error"]
+        assert k0["key_scale_alpha"] > 0  # channel scaling is what rescues it
+
+
+def test_engine_stage_writes_plan(ckpt, tmp_path):
+    out = tmp_path / "kv_plan"
+    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", CFG, {"samples": 2, "length": 24}, out)
+    plan = KVPlan.load(out)
+    assert plan.format == "int4-fp8-outlier" and res["compression_vs_fp16"] > 1
+    meta = json.loads((out / "plan.json").read_text())
+    assert meta["calibration"]["samples"]["n"] == 2 and len(meta["calibration"]["layers"]) == 3
+    calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {"format": "fp8"}, {}, tmp_path / "p8")
+    assert KVPlan.load(tmp_path / "p8").precision[0]["v"] == ["fp8", "fp8"]
+    with pytest.raises(UserError, match="format"):
+        KVCalibConfig.from_dict({"format": "nf4"})
+
+
+def test_speculative_greedy_equals_verifier_only_with_quantized_cache(ckpt, model, tmp_path):
+    """Tree verification must read exactly the dequantized values sequential decode reads (per-token
+    quantization + move() as a byte copy), so greedy speculation == verifier-only greedy, same cache."""
+    from bpcompile.kvcache import kv_store_factory
+    from bpcompile.runtime import Generator, SamplingParams
+    from bpcompile.speculative import TreeSpec
+
+    draft_hf = make_hf_llama(tmp_path / "dhf", vocab_size=VOCAB, seed=1, hidden_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, intermediate_size=48)
+    convert_checkpoint(draft_hf, tmp_path / "draft")
+    draft = Llama.from_checkpoint(tmp_path / "draft")
+    plan, _ = calibrate(model, samples(2, 24, 0), CFG)
+    prompts = samples(2, 12, 7)
+    params = SamplingParams(max_tokens=24)
+    runs = []
+    for d, tree in ((None, None), (draft, TreeSpec("dynamic", nodes=5)), (draft, TreeSpec("chain", length=3))):
+        gen = Generator(model, d, tree, max_batch_size=2, max_seq_len=64, kv_store_factory=kv_store_factory(plan))
+        runs.append([toks for toks, _ in gen.generate(prompts, params)])
+    assert runs[0] == runs[1] == runs[2] and all(len(t) == 24 for t in runs[0])
+    assert type(gen.vkv.store).__name__ == "QuantKVStore"  # the factory was used, not a float cache
+
+
+def test_evaluate_engine(ckpt, tmp_path):
+    import shutil
+
+    eng = tmp_path / "engine"
+    shutil.copytree(ckpt / "ckpt", eng / "verifier")
+    shutil.copytree(ckpt / "tok", eng / "tokenizer")
+    calibrate_engine_stage(eng / "verifier", eng / "tokenizer", CFG, {"samples": 2, "length": 24}, eng / "kv_plan")
+    rep = evaluate_engine_report(eng, n=2, length=32, calib_n=2, calib_length=32)
+    names = [r["name"] for r in rep["rows"]]
+    assert names[:3] == ["fp16", "fp8", "int4-naive"] and names[-1] == "engine plan (int4-fp8-outlier)"
+    assert rep["tokens"] == 64 and "| engine plan" in rep["markdown"]
+    out = json.loads(evaluate_engine(eng, json_out=True, n=2, length=32, calib_n=2, calib_length=32))
+    assert [r["name"] for r in out["rows"]] == names
