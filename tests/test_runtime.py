@@ -1,0 +1,381 @@
+"""The native runtime: paged attention, paged KV bookkeeping, in-flight batching, greedy speculation == greedy."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bpcompile.errors import UserError
+from bpcompile.kvcache import FloatKVStore
+from bpcompile.model import Llama, ModelConfig, causal_attend
+from bpcompile.runtime import (AttnBatch, Generator, PagedKV, SamplingParams, StepOutput, TreeSpec, generate_cli,
+                               paged_attention)
+from bpcompile.speculative import pack_rows
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "models" / "tiny"
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two contending ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_llama(cfg: ModelConfig, seed: int, scale: float = 1.0) -> Llama:
+    """Random weights under TensorRT-LLM names; `scale` sharpens the output distribution."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    h, d, inter = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
+    w = {"transformer.vocab_embedding.weight": r(cfg.vocab_size, h, std=1.0),
+         "transformer.ln_f.weight": 1 + r(h, std=0.1),
+         "lm_head.weight": r(cfg.vocab_size, h, std=scale * 3 / math.sqrt(h))}
+    for i in range(cfg.num_layers):
+        p = f"transformer.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + r(h, std=0.1)
+        w[p + "post_layernorm.weight"] = 1 + r(h, std=0.1)
+        w[p + "attention.qkv.weight"] = r((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, std=h ** -0.5)
+        w[p + "attention.dense.weight"] = r(h, cfg.num_heads * d, std=(cfg.num_heads * d) ** -0.5)
+        w[p + "mlp.fc.weight"] = r(inter, h, std=h ** -0.5)
+        w[p + "mlp.gate.weight"] = r(inter, h, std=h ** -0.5)
+        w[p + "mlp.proj.weight"] = r(h, inter, std=inter ** -0.5)
+    return Llama(cfg, w)
+
+
+def noisy_copy(model: Llama, noise: float, seed: int) -> Llama:
+    """A draft that mostly agrees with the verifier: its weights plus relative Gaussian noise."""
+    g = torch.Generator().manual_seed(seed)
+    return Llama(model.cfg, {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in model.w.items()})
+
+
+CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
+                  intermediate_size=128)
+PROMPTS = [[5, 17, 9, 200, 3], list(range(30, 41)), [7, 7, 7], [(i * 37) % 256 for i in range(19)]]
+TREES = {"chain": TreeSpec("chain", length=4), "static": TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
+         "dynamic": TreeSpec("dynamic", nodes=5)}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    v = random_llama(CFG, seed=0)
+    return v, noisy_copy(v, 0.3, seed=1)
+
+
+def plain_greedy(model: Llama, prompt: list[int], n: int) -> list[int]:
+    """Oracle without any cache: recompute the whole sequence for every token."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def reference(pair_, prompts, max_tokens):
+    gen = Generator(pair_[0], None, None, max_batch_size=len(prompts), page_size=4)
+    return [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+def test_paged_attention_matches_dense():
+    """Two sequences, different contexts and tree regions, arbitrary mask rows, pages scattered."""
+    torch.manual_seed(0)
+    L, KV, H, D, ps = 1, 2, 4, 8, 4
+    store = FloatKVStore(L, KV, D, num_pages=16, page_size=ps)
+    kv = PagedKV(store)
+    kv.free = [15, 3, 9, 1, 12, 6, 2, 14, 5, 7, 11, 4]  # scattered pages
+    ctx, tree_lens, q_lens, T = [5, 11], [4, 6], [3, 2], 3
+    rows = [[0b0001, 0b0011, 0b1101], [0b100001, 0b110011]]  # per query: which tree entries it sees
+    keys = {}
+    for b, rid in enumerate("ab"):
+        n = ctx[b] + tree_lens[b]
+        kv.ensure(rid, n)
+        k, v = torch.randn(n, KV, D), torch.randn(n, KV, D)
+        store.write(0, torch.tensor([kv.slot(rid, i) for i in range(n)]), k, v)
+        keys[rid] = (k, v)
+    q = torch.randn(2, T, H, D)
+    mask = torch.stack([pack_rows(r + [0] * (T - len(r)), 1) for r in rows])
+    batch = AttnBatch(kv.block_tables(["a", "b"], "cpu"), torch.tensor(ctx), torch.tensor(tree_lens),
+                      torch.tensor(q_lens), mask, ps)
+    out = paged_attention(q, store, 0, batch)
+    for b, rid in enumerate("ab"):
+        k, v = keys[rid]
+        for i in range(q_lens[b]):
+            vis = [j for j in range(ctx[b] + tree_lens[b]) if j < ctx[b] or rows[b][i] >> (j - ctx[b]) & 1]
+            for h in range(H):
+                s = k[vis, h // 2] @ q[b, i, h] / math.sqrt(D)
+                ref = torch.softmax(s, 0) @ v[vis, h // 2]
+                assert torch.allclose(out[b, i, h], ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- greedy
+
+def test_verifier_only_matches_full_recompute(pair):
+    got = reference(pair, PROMPTS[:3], 20)
+    for p, g in zip(PROMPTS[:3], got):
+        assert g == plain_greedy(pair[0], p, 20)
+
+
+@pytest.mark.parametrize("kind", list(TREES))
+def test_greedy_speculation_is_identical(pair, kind):
+    ref = reference(pair, PROMPTS, 40)
+    gen = Generator(pair[0], pair[1], TREES[kind], max_batch_size=4, page_size=4)
+    batched = gen.generate(PROMPTS, SamplingParams(max_tokens=40))  # batch 4, different prompt lengths
+    assert [t for t, _ in batched] == ref
+    one = Generator(pair[0], pair[1], TREES[kind], max_batch_size=1, page_size=8).generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=40))
+    assert one[0][0] == ref[1]
+    stats = [s for _, s in batched]
+    assert sum(s.committed for s in stats) / sum(s.verifier_steps for s in stats) > 1.15  # drafts do get accepted
+    assert all(s.tokens == 40 and s.accepted_per_depth[0] <= s.proposed_per_depth[0] for s in stats)
+    assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity  # all pages back
+
+
+def test_identical_draft_accepts_everything(pair):
+    """draft == verifier: every chain token is accepted, tau = length + 1 (until max_tokens caps the tree)."""
+    gen = Generator(pair[0], pair[0], TreeSpec("chain", length=4), max_batch_size=2, page_size=4)
+    (toks, st), = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=31))  # 1 + 6 steps x 5
+    assert toks == reference(pair, [PROMPTS[0]], 31)[0]
+    assert st.verifier_steps == 6 and st.accepted_per_depth == st.proposed_per_depth == [6, 6, 6, 6]
+
+
+def _capture_kv(model: Llama, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of a plain causal forward over `tokens`, per layer (the oracle for cache contents)."""
+    cap = []
+
+    def attend(layer, q, k, v):
+        cap.append((k[0], v[0]))
+        return causal_attend(q, k, v)
+
+    model(torch.tensor([tokens]), attend=attend)
+    return cap
+
+
+@pytest.mark.parametrize("kind", ["chain", "dynamic"])
+def test_kv_compaction_matches_sequential(pair, kind):
+    """After speculative steps, both caches hold exactly the K/V of the committed tokens, in order."""
+    gen = Generator(pair[0], pair[1], TREES[kind], max_batch_size=2, page_size=4)
+    for p in PROMPTS[:2]:
+        gen.add_request(p, SamplingParams(max_tokens=60))
+    for _ in range(6):
+        gen.step()
+    checked = 0
+    for r in gen.running.values():
+        assert r.v_len == len(r.tokens) - 1 and r.d_len < len(r.tokens) and r.stats.committed > r.stats.verifier_steps
+        for model, kv, n in ((pair[0], gen.vkv, r.v_len), (pair[1], gen.dkv, r.d_len)):
+            ref = _capture_kv(model, r.tokens[:n])
+            slots = torch.tensor([kv.slot(r.id, i) for i in range(n)])
+            assert len(kv.tables[r.id]) == -(-n // kv.ps)  # rejected tree entries' pages were freed
+            for layer, (k, v) in enumerate(ref):
+                ks, vs = kv.store.read(layer, slots)
+                assert torch.allclose(ks, k, atol=1e-4) and torch.allclose(vs, v, atol=1e-4)
+            checked += 1
+    assert checked == 4
+
+
+# -------------------------------------------------------------------------------- batching & lifetime
+
+def test_inflight_batching_pages_and_cancel(pair):
+    prompts = PROMPTS + [[1, 2, 3, 4]]
+    lengths = [12, 3, 20, 7, 9]
+    ref = [reference(pair, [p], n)[0] for p, n in zip(prompts, lengths)]
+    gen = Generator(pair[0], pair[1], TREES["chain"], max_batch_size=2, page_size=4)
+    ids = [gen.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths)]
+    extra = gen.add_request([9, 9], SamplingParams(max_tokens=50), request_id="x")
+    gen.cancel(extra)  # cancelled while waiting
+    got = {i: [] for i in ids}
+    joined_mid_flight, cancelled = False, []
+    while gen.has_work():
+        before = set(gen.running)
+        outs = gen.step()
+        assert len(gen.running) <= 2
+        new = set(gen.running) - before
+        if new and before & set(gen.running):
+            joined_mid_flight = True
+        for o in outs:
+            assert isinstance(o, StepOutput)
+            if o.finish_reason == "cancelled":
+                cancelled.append(o.request_id)
+                continue
+            got[o.request_id] += o.new_tokens
+            assert o.finished == (o.finish_reason == "length")
+    assert cancelled == ["x"] and joined_mid_flight
+    assert [got[i] for i in ids] == ref
+    assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity and gen.reserved == 0
+
+    a = gen.add_request(PROMPTS[3], SamplingParams(max_tokens=40))
+    b = gen.add_request(PROMPTS[1], SamplingParams(max_tokens=40))
+    gen.step()
+    gen.step()
+    assert a in gen.vkv.tables and a in gen.dkv.tables
+    gen.cancel(a)
+    assert a not in gen.vkv.tables and a not in gen.dkv.tables and a not in gen.running
+    outs = gen.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [(a, "cancelled")]
+    assert {o.request_id for o in outs} == {a, b}
+
+
+def test_stop_conditions(pair):
+    ref = reference(pair, [PROMPTS[1]], 30)[0]
+    gen = Generator(pair[0], pair[1], TREES["chain"], max_batch_size=2, page_size=4)
+    end = ref[10]
+    (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=30, end_id=end))
+    assert toks == ref[:ref.index(end)]
+    out = []
+    gen.add_request(PROMPTS[1], SamplingParams(max_tokens=30, stop_words=[[99999], ref[6:8]]))
+    while gen.has_work():
+        for o in gen.step():
+            out += o.new_tokens
+            last = o
+    first = next(i for i in range(2, 9) if ref[i - 2:i] == ref[6:8])  # the 2-gram may occur earlier
+    assert out == ref[:first] and last.finish_reason == "stop"
+
+
+def test_bad_requests_are_user_errors(pair):
+    gen = Generator(pair[0], None, None, max_seq_len=32)
+    for prompt, params in (([], SamplingParams()), ([1, 256], SamplingParams()), ([1] * 20, SamplingParams(max_tokens=13)),
+                           ([1], SamplingParams(max_tokens=0)), ([1], SamplingParams(top_p=0.0))):
+        with pytest.raises(UserError):
+            gen.add_request(prompt, params)
+    with pytest.raises(UserError):
+        Generator(pair[0], None, TreeSpec("chain"))
+
+
+def test_sampling_is_seeded(pair):
+    gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=4, page_size=4)
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=7)
+    a, b = gen.generate([PROMPTS[0], PROMPTS[0]], p)
+    c, = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=8))
+    assert a[0] == b[0] and a[0] != c[0] and len(a[0]) == 24
+
+
+def test_quantized_store_via_factory(pair):
+    """Any KVStore plugs in: the int8 QuantKVStore for the verifier, fp16 floats for the draft."""
+    from bpcompile.kvcache import KVPlan, kv_store_factory
+
+    c = pair[0].cfg
+    plan = KVPlan.uniform("int8", c.num_layers, c.num_kv_heads, c.head_size, group_size=16)
+    calls = []
+
+    def draft_factory(cfg, num_pages, page_size, device):
+        calls.append((cfg, num_pages, page_size, device))
+        return FloatKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, num_pages, page_size,
+                            dtype=torch.float16, device=device)
+
+    plain = Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan))
+    spec = Generator(pair[0], pair[1], TREES["static"], page_size=4, kv_store_factory=kv_store_factory(plan),
+                     draft_kv_store_factory=draft_factory)
+    assert type(spec.vkv.store).__name__ == "QuantKVStore" and calls == [(pair[1].cfg, spec.num_pages, 4, "cpu")]
+    p = SamplingParams(max_tokens=24)
+    assert [t for t, _ in spec.generate(PROMPTS[:2], p)] == [t for t, _ in plain.generate(PROMPTS[:2], p)]
+
+
+# ------------------------------------------------------------------------------- engine dir and CLI
+
+def save_hf(model: Llama, out: Path) -> Path:
+    """Write `model` as an HF Llama checkpoint (config.json + model.safetensors) without importing transformers."""
+    from safetensors.torch import save_file
+
+    from bpcompile.convert import trtllm_to_hf
+
+    c = model.cfg
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_size, "hidden_act": "silu",
+           "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": 512,
+           "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    hf = trtllm_to_hf(model.w, {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+                                "head_size": c.head_size, "hidden_size": c.hidden_size})
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _engine(tmp: Path, recipe: str) -> Path:
+    from bpcompile.convert import convert_checkpoint
+    from pairs import make_tokenizer
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
+                      intermediate_size=128)
+    v = random_llama(cfg, seed=3)
+    eng = tmp / "engine"
+    convert_checkpoint(save_hf(v, tmp / "hf_v"), eng / "verifier")
+    convert_checkpoint(save_hf(noisy_copy(v, 0.3, seed=4), tmp / "hf_d"), eng / "draft")
+    make_tokenizer(eng / "tokenizer", vocab=300)
+    (eng / "recipe.yaml").write_text(recipe)
+    return eng
+
+
+def test_from_engine_and_generate_cli(tmp_path, capsys):
+    eng = _engine(tmp_path, "name: t\nlimits: {max_batch_size: 3, max_seq_len: 96}\n"
+                            "kv_cache: {format: fp16, page_size: 8}\n"
+                            "speculative: {tree: static, choices: [[0], [1], [0, 0]]}\n")
+    from bpcompile.kvcache import KVPlan
+
+    gen = Generator.from_engine(eng)
+    assert type(gen.vkv.store).__name__ == "FloatKVStore"
+    KVPlan.uniform("int8", 2, 2, 16, group_size=16).save(eng / "kv_plan")
+    gen = Generator.from_engine(eng)
+    assert type(gen.vkv.store).__name__ == "QuantKVStore" and type(gen.dkv.store).__name__ == "FloatKVStore"
+    assert (gen.tree.kind, gen.tree.choices, gen.max_batch_size, gen.max_seq_len, gen.page_size) == \
+        ("static", [[0], [1], [0, 0]], 3, 96, 8)
+    assert Generator.from_engine(eng, tree=TreeSpec("none")).draft is None
+    res = generate_cli(eng, "The for statement", max_tokens=12, tree="chain:3", json_out=True)
+    js = json.loads(capsys.readouterr().out)
+    assert js["tokens"] == res["tokens"] and js["tree"] == "chain" and js["verifier_steps"] >= 1
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(eng / "tokenizer" / "tokenizer.json"))
+    ids = tok.encode("The for statement").ids
+    plain = Generator.from_engine(eng, tree=TreeSpec("none")).generate([ids], SamplingParams(max_tokens=12))[0][0]
+    assert res["tokens"] == plain[:len(res["tokens"])]  # may stop early at </s>
+    streamed = generate_cli(eng, "The for statement", max_tokens=12, no_speculation=True)
+    out = capsys.readouterr()
+    assert out.out == tok.decode(streamed["tokens"]) + "\n" and "tok/s" in out.err
+    assert streamed["tokens"] == res["tokens"]
+
+
+def test_from_engine_errors(tmp_path):
+    with pytest.raises(UserError):
+        Generator.from_engine(tmp_path)
+    with pytest.raises(UserError):
+        generate_cli(tmp_path, "x", tree="beam:3")
+
+
+# ------------------------------------------------------------------------------------- the tiny pair
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TINY / "verifier" / "config.json").is_file() or not (TINY / "draft" / "config.json").is_file(),
+                    reason="the shipped tiny pair (models/tiny) is not built yet")
+def test_tiny_pair_heldout_greedy_identical(tmp_path):
+    """The issue's bar: 50 held-out prompts x 64 tokens, greedy speculation == verifier-only, every tree kind."""
+    from bpcompile.convert import convert_checkpoint
+    from bpcompile.corpus import heldout_prompts
+
+    models = {}
+    for name in ("verifier", "draft"):
+        convert_checkpoint(TINY / name, tmp_path / name)
+        models[name] = Llama.from_checkpoint(tmp_path / name)
+    prompts = heldout_prompts(TINY / "verifier", 50, 32)
+    p = SamplingParams(max_tokens=64)
+    kw = dict(max_batch_size=50, max_seq_len=128, page_size=16)
+    ref = [t for t, _ in Generator(models["verifier"], None, None, **kw).generate(prompts, p)]
+    for spec in (TreeSpec("chain", length=5), TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
+                 TreeSpec("dynamic", nodes=5)):
+        res = Generator(models["verifier"], models["draft"], spec, **kw).generate(prompts, p)
+        assert [t for t, _ in res] == ref, spec.kind
+        tau = sum(s.committed for _, s in res) / sum(s.verifier_steps for _, s in res)
+        assert tau > 1.5, (spec.kind, tau)
