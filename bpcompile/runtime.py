@@ -21,6 +21,7 @@ draft: d_len + node - 1), so after acceptance the accepted path is moved to cons
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -163,13 +164,47 @@ class AttnBatch:
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+def kernels_for(store: KVStore, device: torch.device):
+    """The Triton kernels module when they should run, else None (the PyTorch reference runs).
+
+    BPCOMPILE_KERNELS=auto (default): kernels on CUDA for quantized caches; =triton: always (on CPU through
+    Triton's interpreter, which is how tests check this path without a GPU); =torch: never.
+    """
+    mode = os.environ.get("BPCOMPILE_KERNELS", "auto")
+    if mode == "torch":
+        return None
+    from .kvcache import QuantKVStore
+
+    if isinstance(store, QuantKVStore) and (mode == "triton" or device.type == "cuda"):
+        from . import kernels
+        return kernels
+    return None
+
+
+def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel."""
+    kern = kernels_for(store, k.device)
+    (kern.quantize_append if kern else type(store).write)(store, layer, slots, k, v)
+
+
+def move_kv(store: KVStore, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy accepted tree entries' stored bytes src -> dst in every layer, on the device."""
+    kern = kernels_for(store, src.device)
+    (kern.move_slots if kern else type(store).move)(store, src, dst)
+
+
 def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatch) -> torch.Tensor:
     """q [B, T, H, D] (RoPE applied) over each sequence's paged K/V -> [B, T, H, D].
 
     The reference implementation: gather the visible pages (dequantized by the store) and run SDPA with
-    a boolean mask built from context lengths and the packed tree mask. GPU kernels replace this.
+    a boolean mask built from context lengths and the packed tree mask. On CUDA with a quantized cache the
+    Triton kernel (bpcompile/kernels.py) runs instead, reading the packed pages directly.
     """
     B, T, H, D = q.shape
+    kern = kernels_for(store, q.device)
+    if kern is not None:
+        return kern.paged_attention(q, store, layer, batch.block_tables, batch.context_lens, batch.tree_mask,
+                                    batch.tree_lens, D ** -0.5, q_lens=batch.q_lens)
     slots, visible = batch.plan(T)
     N = slots.shape[1]
     k, v = store.read(layer, slots.reshape(-1))
@@ -381,7 +416,7 @@ class Generator:
         store, flat = kv.store, wslots.reshape(-1)
 
         def attend(layer, q, k, v):
-            store.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
+            write_kv(store, layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
             return paged_attention(q, store, layer, batch)
 
         self.forwards["draft" if model is self.draft else "verifier"] += 1
@@ -402,7 +437,7 @@ class Generator:
         def attend(layer, q, k, v):
             # Right padding: real tokens never see the padding under a causal mask. The prompt attends to
             # its unquantized K/V (as TensorRT-LLM's context phase does); the cache keeps the stored form.
-            store.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
+            write_kv(store, layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
             return causal_attend(q, k, v)
 
         same = len(set(lens)) == 1
@@ -529,9 +564,9 @@ class Generator:
                     lst[d] += 1
         dev = self.device
         if vmove[0]:
-            self.vkv.store.move(torch.tensor(vmove[0], device=dev), torch.tensor(vmove[1], device=dev))
+            move_kv(self.vkv.store, torch.tensor(vmove[0], device=dev), torch.tensor(vmove[1], device=dev))
         if dmove[0]:
-            self.dkv.store.move(torch.tensor(dmove[0], device=dev), torch.tensor(dmove[1], device=dev))
+            move_kv(self.dkv.store, torch.tensor(dmove[0], device=dev), torch.tensor(dmove[1], device=dev))
         for r, tree, (path, bonus) in zip(reqs, trees, results):
             self.vkv.truncate(r.id, r.v_len)
             if self.dkv is not None:
