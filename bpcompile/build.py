@@ -164,14 +164,15 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
             if fail_after == name:
                 raise RuntimeError(f"injected failure after stage {name!r}")
 
-        rep.run("convert verifier", lambda: convert_checkpoint(
-            loaded.verifier_dir, stage / "verifier", tp=tp, pp=pp, dtype=_dtype(r.models.verifier.dtype),
-            progress=rep.progress("convert verifier")))
+        def convert(role: str, src: Path, pp_: int) -> dict:
+            out = convert_checkpoint(src, stage / role, tp=tp, pp=pp_, dtype=_dtype(getattr(r.models, role).dtype),
+                                     progress=rep.progress(f"convert {role}"))
+            return dict(out, detail=f"tp={tp} pp={pp_}, {len(out['files'])} rank files, {out['bytes'] / 1e6:.1f} MB")
+
+        rep.run("convert verifier", lambda: convert("verifier", loaded.verifier_dir, pp))
         maybe_fail("convert verifier")
         # The draft is small: it keeps the recipe's tp (so it can sit on the verifier's GPUs) but no pp.
-        rep.run("convert draft", lambda: convert_checkpoint(
-            loaded.draft_dir, stage / "draft", tp=tp, pp=1, dtype=_dtype(r.models.draft.dtype),
-            progress=rep.progress("convert draft")))
+        rep.run("convert draft", lambda: convert("draft", loaded.draft_dir, 1))
         maybe_fail("convert draft")
         rep.run("tokenizer", lambda: _copy_tokenizer(loaded.verifier_dir, stage / "tokenizer"))
 
