@@ -167,7 +167,7 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         def convert(role: str, src: Path, pp_: int) -> dict:
             out = convert_checkpoint(src, stage / role, tp=tp, pp=pp_, dtype=_dtype(getattr(r.models, role).dtype),
                                      progress=rep.progress(f"convert {role}"))
-            return dict(out, detail=f"tp={tp} pp={pp_}, {len(out['files'])} rank files, {out['bytes'] / 1e6:.1f} MB")
+            return dict(out, detail=f"tp={tp} pp={pp_}, {tp * pp_} rank files, {out['bytes'] / 1e6:.1f} MB")
 
         rep.run("convert verifier", lambda: convert("verifier", loaded.verifier_dir, pp))
         maybe_fail("convert verifier")
