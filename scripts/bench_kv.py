@@ -115,7 +115,7 @@ def study(model, calib, held, group_size):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--verifier", default=str(ROOT / "models/tiny/verifier"))
-    ap.add_argument("--n", type=int, default=30, help="held-out sequences (the tiny corpus has 31 of 256 tokens)")
+    ap.add_argument("--n", type=int, default=23, help="held-out sequences (the tiny corpus split has 23 of 256 tokens)")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--calib-n", type=int, default=16)
     ap.add_argument("--calib-length", type=int, default=128)
