@@ -526,10 +526,8 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
-def unpack_tree_mask(packed: torch.Tensor, G: int) -> torch.Tensor:
-    """Inverse of pack_tree_mask: int32 [..., G, W] -> bool [..., G, G]."""
-    bits = (packed.to(torch.int64)[..., None] >> torch.arange(32, device=packed.device)) & 1
-    return bits.reshape(*packed.shape[:-1], -1)[..., :G].bool()
+# Inverse of pack_tree_mask: int32 [..., G, W] -> bool [..., G, G] (the runtime's decoder, one definition).
+from .speculative import unpack_tree_mask  # noqa: E402
 
 
 def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
