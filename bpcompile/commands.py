@@ -57,7 +57,7 @@ def eval_(engine, as_json):
     """KV-cache fidelity of ENGINE: perplexity, top-1 agreement and attention error per KV format."""
     from .evaluate import evaluate_engine
 
-    evaluate_engine(_engine_dir(engine), json_out=as_json)
+    click.echo(evaluate_engine(_engine_dir(engine), json_out=as_json))
 
 
 COMMANDS: list = [generate, eval_]
