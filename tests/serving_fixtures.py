@@ -2,7 +2,7 @@
 
 Source of the models, first that exists:
 1. $BPCOMPILE_TEST_ENGINE: an engine version directory (e.g. engines/tiny/1 from `bpcompile build recipes/tiny.yaml`),
-2. the shipped tiny pair models/tiny/{verifier,draft} (converted here with bpcompile.convert),
+2. the shipped tiny pair: `bpcompile build` of recipes/tiny.yaml (outputs redirected to a temporary store),
 3. small random Llamas with the tiny tokenizer (the draft a copy of the verifier, so drafts are accepted).
 """
 from __future__ import annotations
@@ -54,6 +54,8 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
         m["version"] = version
         (dst / "manifest.json").write_text(json.dumps(m))
         return dst
+    if (TINY / "verifier" / "config.json").is_file() and (TINY / "draft" / "config.json").is_file():
+        return _built(dst, version, recipe_overrides)
     from bpcompile.convert import convert_checkpoint
 
     v, d = _hf_pair(dst.parent)
@@ -66,4 +68,28 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
     (dst / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, **(recipe_overrides or {})}))
     (dst / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version,
                                                    "build_id": f"test-{version}-{v.name}"}))
+    return dst
+
+
+def _built(dst: Path, version: int, recipe_overrides: dict | None) -> Path:
+    """Version `version` of recipes/tiny.yaml built by the real build pipeline (--force for later versions),
+    copied to dst."""
+    from bpcompile.build import build
+
+    store = dst.parent / "_store"
+    store.mkdir(parents=True, exist_ok=True)
+    text = (REPO / "recipes" / "tiny.yaml").read_text().replace("../models/tiny", str(TINY))
+    text = text.replace("store: ../engines", f"store: {store / 'engines'}").replace(
+        "triton_repo: ../triton_repo", f"triton_repo: {store / 'triton_repo'}")
+    recipe = store / "tiny.yaml"
+    recipe.write_text(text)
+    res = build(recipe, force=version > 1)
+    shutil.copytree(res.path, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["version"] = version
+    (dst / "manifest.json").write_text(json.dumps(m))
+    if recipe_overrides:
+        r = yaml.safe_load((dst / "recipe.yaml").read_text())
+        r.update(recipe_overrides)
+        (dst / "recipe.yaml").write_text(yaml.safe_dump(r))
     return dst
