@@ -377,5 +377,8 @@ def test_tiny_pair_heldout_greedy_identical(tmp_path):
                  TreeSpec("dynamic", nodes=5)):
         res = Generator(models["verifier"], models["draft"], spec, **kw).generate(prompts, p)
         assert [t for t, _ in res] == ref, spec.kind
+        # batch 1: one request in flight at a time, against the same (batched) verifier-only reference
+        one = Generator(models["verifier"], models["draft"], spec, **dict(kw, max_batch_size=1)).generate(prompts, p)
+        assert [t for t, _ in one] == ref, (spec.kind, "batch 1")
         tau = sum(s.committed for _, s in res) / sum(s.verifier_steps for _, s in res)
         assert tau > 1.5, (spec.kind, tau)
