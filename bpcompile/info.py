@@ -5,27 +5,19 @@ Reads only JSON and safetensors headers, never tensor data, so it is instant eve
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from math import prod
 from pathlib import Path
 
 from .errors import UserError
+from .hf import read_header
 from .store import MANIFEST, dir_size
-
-
-def safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
 
 
 def shards_summary(d: Path) -> dict:
     shards, params, dtypes = [], 0, Counter()
     for f in sorted(d.glob("*.safetensors")):
-        h = safetensors_header(f)
+        h, _ = read_header(f)  # validated header, no tensor data
         n = sum(prod(t["shape"]) for t in h.values())
         params += n
         dtypes.update({t["dtype"]: prod(t["shape"]) for t in h.values()})
