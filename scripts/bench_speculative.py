@@ -246,7 +246,7 @@ def main():
         f"~10-20% between runs), no GPU; torch {torch.__version__}, {a.threads} intra-op thread(s), float32.",
         f"Workload: {len(prompts)} held-out prompts (`bpcompile.corpus.heldout_prompts`, {a.prompt_tokens} tokens "
         f"each), {a.max_tokens} new tokens each, greedy, no end token; batch 1 unless noted. Verifier "
-        f"{V.cfg.num_layers} layers x {V.cfg.hidden_size}, draft {D.cfg.num_layers} layers x {D.cfg.hidden_size}, "
+        f"{V.cfg.num_layers} layers x {V.cfg.hidden_size}, draft {D.cfg.num_layers} layer{'s' if D.cfg.num_layers > 1 else ''} x {D.cfg.hidden_size}, "
         f"vocab {V.cfg.vocab_size}. Runs are interleaved prompt by prompt so that the machine's load falls on "
         "all of them alike. (e) is transformers' assisted generation with its default settings (5.x: up to 20 "
         "draft tokens per step, cut short when the draft's confidence drops under an adaptive threshold); (e') "
@@ -292,9 +292,10 @@ def main():
            "A step's cost in verifier-only steps is verify(G)/verify(1) + (draft forwards per step) x (one draft "
            "forward / one verifier forward) + bookkeeping; speculation pays when tau exceeds it. Measured on the "
            "tiny pair at batch 1:", "", *lim, "",
-           f"- The draft term dominates: a 2-layer draft forward costs ~{t_d / t_v1:.2f} of a 4-layer verifier "
+           f"- The draft term dominates: a {D.cfg.num_layers}-layer draft forward costs ~{t_d / t_v1:.2f} of a "
+           f"{V.cfg.num_layers}-layer verifier "
            f"forward in time though it has {c_tiny:.2f} of its weight bytes, because at this size per-operator "
-           "overhead and the 4096-token LM head, which both models have, weigh as much as layers. Static trees "
+           f"overhead and the {V.cfg.vocab_size}-token LM head, which both models have, weigh as much as layers. Static trees "
            "need the fewest draft forwards (one per depth), hence the best wall time despite a lower tau.",
            "- verify(G) is not free on this CPU: fp32 GEMM with G = 6 rows costs "
            f"{res[TREES[1][0]]['verify_s'] / res[TREES[1][0]]['steps'] / t_v1:.2f}x one row for the tiny verifier and "

@@ -78,7 +78,9 @@ def test_quantized_cache_forward_and_eval(model):
     rep = evaluate(model, {"fp16": "fp16", "int4-naive": "int4-naive", "ours": plan}, samples(4, 24, 3), batch=2)
     rows = {r["name"]: r for r in rep["rows"]}
     assert rows["fp16"]["top1_agreement"] == 1.0 and rows["fp16"]["ppl_delta_pct"] == 0.0
+    assert rows["fp16"]["kl_vs_fp16"] == pytest.approx(0.0, abs=1e-7)
     naive, ours = rows["int4-naive"], rows["ours"]
+    assert naive["kl_vs_fp16"] > 1e-6 and ours["kl_vs_fp16"] > 1e-6
     assert 0 < sum(ours["attn_rel_error"]) < sum(naive["attn_rel_error"])
     assert ours["compression_vs_fp16"] == pytest.approx(allocated_compression(plan, c), abs=1e-4)
     assert "| ours |" in rep["markdown"]
