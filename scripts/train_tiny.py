@@ -10,7 +10,7 @@ verifier (4 layers, hidden 256, GQA 4q/2kv, head_dim 64) distilled from the tuto
 predictions (KL plus a little cross-entropy); then the draft (1 layer, hidden 128, 2q/1kv, tied
 embeddings) distilled from the verifier. Why the detour: on ~82k training tokens a 5M-parameter model
 trained on cross-entropy alone generalizes *worse* than a 0.9M one (held-out perplexity ~126-140 vs
-~96-105, with or without dropout); the ensemble of small models is better than any one of them (~85),
+~96-105, with or without dropout); the ensemble of small models is better than any one of them (~82-85),
 and a verifier distilled from it keeps most of that. The draft is distilled from the verifier because
 speculation needs it to agree with the verifier, not to be a good model on its own.
 
@@ -61,7 +61,7 @@ SHAPES = {  # head_dim 64 and GQA are fixed: the KV-cache kernels depend on them
     "tutor": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=64, intermediate_size=384, tie_word_embeddings=True),
 }
-TUTORS = 4  # ensemble size: 1 -> 4 tutors took held-out perplexity from ~96-105 to ~85
+TUTORS = 4  # ensemble size: 1 -> 4 tutors took held-out perplexity from ~96-105 to ~82-85
 # Hyper-parameters chosen on the 2-core box (~82k train tokens). Tried for a verifier trained on
 # cross-entropy alone and not kept: residual/attention/embedding dropout 0.1-0.3, weight decay 0.1,
 # lr 1e-3/2e-3, tied embeddings, batch 4, KV-noise injection, born-again distillation: none brought its
