@@ -76,22 +76,25 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
         ref_logp.append(F.log_softmax(cached_forward(verifier, seqs[i:i + batch].to(verifier.device), ref_plan).cpu().float(), -1))
     rows = []
     for name, plan in plans.items():
-        nll, n, agree, kl, errs = 0.0, 0, 0, 0.0, [[0.0, 0.0] for _ in range(c.num_layers)]
+        seq_nll, seq_kl, agree, errs = [], [], 0, [[0.0, 0.0] for _ in range(c.num_layers)]
         for b, i in enumerate(range(0, len(seqs), batch)):
             tok = seqs[i:i + batch].to(verifier.device)
             logits = cached_forward(verifier, tok, plan, errs).cpu().float()
-            nll += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tok[:, 1:].reshape(-1).cpu(),
-                                   reduction="sum").item()
-            n += tok[:, 1:].numel()
+            logp = F.log_softmax(logits, -1)
+            seq_nll += (-logp[:, :-1].gather(-1, tok[:, 1:, None].cpu())).sum((1, 2)).tolist()
             agree += (logits.argmax(-1) == ref_logp[b].argmax(-1)).sum().item()
             # KL(FP16-KV || this cache) per position: the whole distribution's shift, which moves smoothly
             # with the quantization error where perplexity's sign at the +0.1% level is luck.
-            kl += F.kl_div(F.log_softmax(logits, -1), ref_logp[b], log_target=True, reduction="sum").item()
+            seq_kl += F.kl_div(logp, ref_logp[b], log_target=True, reduction="none").sum((1, 2)).tolist()
+        n = seqs[:, 1:].numel()
+        nll, kl = sum(seq_nll), sum(seq_kl)
         rows.append({"name": name, "format": plan.format, "outlier_fraction": plan.outlier_fraction,
                      "fp8_units": sum(x == "fp8" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "compression_vs_fp16": round(allocated_compression(plan, c), 4),
                      "ppl": math.exp(nll / n), "top1_agreement": agree / seqs.numel(),
                      "kl_vs_fp16": kl / seqs.numel(),
+                     # per-sequence sums (NLL over predicted tokens, KL over positions): for paired statistics
+                     "seq_nll": seq_nll, "seq_kl": seq_kl,
                      "attn_rel_error": [math.sqrt(a / max(b, 1e-30)) for a, b in errs]})
     base = next((r["ppl"] for r in rows if r["format"] == "fp16"), None)
     for r in rows:

@@ -112,33 +112,17 @@ def study(model, calib, held, group_size):
     return {"variants": {n: sum(e) / len(e) for n, e in errs.items()}, "markdown": text}
 
 
-def paired_bootstrap(model, plans: dict, a: str, b: str, held, n_boot: int = 2000, seed: int = 0) -> str:
-    """Is plan `a` better than plan `b`? Per-sequence NLL and KL (vs the FP16-KV cache) for both, then a
-    paired bootstrap over sequences (both plans see the same resampled sequences) of the differences
-    a - b in Δppl points and in KL: a 95% interval that straddles 0 means the data cannot tell them apart."""
+def paired_bootstrap(report: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> str:
+    """Is plan `a` better than plan `b`? From the report's per-sequence NLL and KL (vs the FP16-KV cache):
+    a paired bootstrap over sequences (both plans see the same resampled sequences) of the differences
+    a - b in Δppl points and in KL. A 95% interval that straddles 0 means the data cannot tell them apart."""
     import math
 
-    import torch.nn.functional as F
-
-    from bpcompile.evaluate import cached_forward
-    from bpcompile.kvcache import KVPlan
-
-    c = model.cfg
-    as_plan = lambda p: p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size)
-    seqs = torch.tensor(held)
-    nll = {k: [] for k in ("fp16", a, b)}
-    kl = {a: [], b: []}
-    for i in range(len(seqs)):
-        tok = seqs[i:i + 1]
-        ref = F.log_softmax(cached_forward(model, tok, as_plan("fp16")).float(), -1)
-        nll["fp16"].append(F.nll_loss(ref[0, :-1], tok[0, 1:], reduction="sum").item())
-        for k in (a, b):
-            lp = F.log_softmax(cached_forward(model, tok, as_plan(plans[k])).float(), -1)
-            nll[k].append(F.nll_loss(lp[0, :-1], tok[0, 1:], reduction="sum").item())
-            kl[k].append(F.kl_div(lp, ref, log_target=True, reduction="sum").item())
-    nll = {k: torch.tensor(v, dtype=torch.float64) for k, v in nll.items()}
-    kl = {k: torch.tensor(v, dtype=torch.float64) for k, v in kl.items()}
-    per_seq = seqs.shape[1]
+    rows = {r["name"]: r for r in report["rows"]}
+    ref = next(r for r in report["rows"] if r["format"] == "fp16")
+    nll = {k: torch.tensor(r["seq_nll"], dtype=torch.float64) for k, r in (("fp16", ref), (a, rows[a]), (b, rows[b]))}
+    kl = {k: torch.tensor(rows[k]["seq_kl"], dtype=torch.float64) for k in (a, b)}
+    n_seq, per_seq = report["sequences"], report["seq_len"]
 
     def stats(idx):
         ppl = {k: math.exp(v[idx].sum().item() / (len(idx) * (per_seq - 1))) for k, v in nll.items()}
@@ -147,14 +131,14 @@ def paired_bootstrap(model, plans: dict, a: str, b: str, held, n_boot: int = 200
         return d_ppl, d_kl
 
     g = torch.Generator().manual_seed(seed)
-    boots = [stats(torch.randint(0, len(seqs), (len(seqs),), generator=g)) for _ in range(n_boot)]
-    point = stats(torch.arange(len(seqs)))
+    boots = [stats(torch.randint(0, n_seq, (n_seq,), generator=g)) for _ in range(n_boot)]
+    point = stats(torch.arange(n_seq))
     lines = []
     for j, (what, unit) in enumerate((("Δppl", " points"), ("KL", " nats/token"))):
         v = sorted(x[j] for x in boots)
         lo, hi = v[int(0.025 * n_boot)], v[int(0.975 * n_boot) - 1]
         lines.append(f"- {a} minus {b}, {what}: {point[j]:+.5f}{unit} (95% interval {lo:+.5f} … {hi:+.5f}; "
-                     f"paired bootstrap over {len(seqs)} sequences, {n_boot} resamples)")
+                     f"paired bootstrap over {n_seq} sequences, {n_boot} resamples)")
     return "\n".join(lines)
 
 
@@ -192,7 +176,7 @@ def main():
         meas = measure_units(m, calib, KVCalibConfig(group_size=a.group_size))
         _, cal = plan_from_measurement(meas, m.cfg, 0.08)
         rep["calibration_8pct"] = cal
-        rep["paired_bootstrap"] = paired_bootstrap(m, plans, "int4+fp8 8%", "int4-naive", held)
+        rep["paired_bootstrap"] = paired_bootstrap(rep, "int4+fp8 8%", "int4-naive")
         rep["seconds"] = time.perf_counter() - t
         out[name] = rep
         print(f"\n### {name} ({rep['seconds']:.0f}s)\n\n{rep['markdown']}\n\n{rep['paired_bootstrap']}\n\n"
