@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -33,7 +34,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except UserError as e:
-            err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)  # messages hold [serve], [0]...
             sys.exit(2)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
@@ -43,7 +44,7 @@ class _Group(click.Group):
         except Exception as e:  # noqa: BLE001 - the one place internal errors are turned into exit 1
             if os.environ.get("BPCOMPILE_DEBUG"):
                 traceback.print_exc()
-            err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
+            err.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
                       "(set BPCOMPILE_DEBUG=1 for a traceback)", markup=True, soft_wrap=True)
             sys.exit(1)
 
@@ -155,7 +156,7 @@ def list_(store, as_json):
         _emit_json(rows)
         return
     if not rows:
-        err.print(f"no engine versions in {store}")
+        err.print(f"no engine versions in {store}", markup=False)
         return
     t = Table("name", "version", "build id", "published", "size")
     for r in rows:

@@ -4,6 +4,7 @@ Thin: each parses options and calls one library function."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -82,14 +83,25 @@ def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, dev
 @click.option("--grpc-port", default=8001, show_default=True, type=int)
 @click.option("--metrics-port", default=8002, show_default=True, type=int)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
-@click.option("--model-control", type=click.Choice(["none", "explicit", "poll"]), default="explicit",
-              show_default=True, help="explicit: load/unload API (new versions on request); poll: pick up changes.")
-def serve(repo, http_port, grpc_port, metrics_port, host, model_control):
-    """Serve REPO with tritonserver until Ctrl-C / SIGTERM."""
+@click.option("--model-control", type=click.Choice(["none", "explicit", "poll"]), default="none", show_default=True,
+              help="none: serve what REPO holds at start. explicit: the repository API loads and unloads models "
+              "(new versions without a restart), for requests with the repository token only. poll: reload when "
+              "REPO changes (whoever can write REPO runs code in the server).")
+@click.option("--repository-token", envvar="BPCOMPILE_REPOSITORY_TOKEN", show_envvar=True, default=None,
+              help="Token the repository API asks for with --model-control explicit/poll (default: a random one, "
+              "printed). Prefer the environment variable: a command line is visible to other local users.")
+@click.option("--drain-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds for running streams to finish before tritonserver is stopped.")
+def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout):
+    """Serve REPO with tritonserver until SIGINT / SIGTERM.
+
+    Exit code 0 after a requested, clean stop; 1 when tritonserver died or did not stop cleanly."""
     from .serve import serve as _serve
 
-    _serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
-           model_control=model_control, wait=True, log=lambda s: click.echo(s, err=True))
+    code = _serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
+                  model_control=model_control, repository_token=repository_token, drain_timeout=drain_timeout,
+                  log=lambda s: click.echo(s, err=True))
+    sys.exit(code)
 
 
 @click.command()

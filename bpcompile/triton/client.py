@@ -6,6 +6,11 @@ streamed, /generate_stream (server-sent events); HTTP /infer also refuses decoup
 
 Responses are reassembled by `response_index`, so text stays right even if a transport reordered them;
 `out_of_order` counts the responses that arrived after a later one (0 is what the repository guarantees).
+
+model="generator" sends the same request to the generator model itself (native target), which answers it with
+the same outputs. Prefer it for streams that may be abandoned: cancelling (or losing the connection) stops
+the generation there within one step, while through the ensemble tritonserver 2.51 lets it run to max_tokens
+(see bpcompile/triton/models/generator.py).
 """
 from __future__ import annotations
 
@@ -301,10 +306,18 @@ def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurre
 
 # --- model control (explicit mode): plain HTTP, usable from any thread -----------------------------------
 
-def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 600.0):
+def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 600.0, token: Optional[str] = None):
+    """token: what `bpcompile serve` asks of the repository API (default: $BPCOMPILE_REPOSITORY_TOKEN)."""
+    import os
+
+    from .serve import REPOSITORY_HEADER, TOKEN_ENV
+
     base = url if url.startswith("http") else f"http://{url}"
-    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body or {}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    token = token or os.environ.get(TOKEN_ENV)
+    if token:
+        headers[REPOSITORY_HEADER] = token
+    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body or {}).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             data = r.read()
@@ -313,26 +326,26 @@ def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 600
         raise RemoteError(e.read().decode("utf-8", errors="replace")) from None
 
 
-def load_model(url: str, name: str) -> None:
+def load_model(url: str, name: str, token: Optional[str] = None) -> None:
     """(Re)load a model from the repository (its version policy decides which versions); blocks until done.
     Triton loads the new versions before unloading the old ones, whose in-flight requests finish first."""
-    _post(url, f"/v2/repository/models/{name}/load")
+    _post(url, f"/v2/repository/models/{name}/load", token=token)
 
 
-def unload_model(url: str, name: str, unload_dependents: bool = False) -> None:
+def unload_model(url: str, name: str, unload_dependents: bool = False, token: Optional[str] = None) -> None:
     _post(url, f"/v2/repository/models/{name}/unload",
-          {"parameters": {"unload_dependents": unload_dependents}} if unload_dependents else None)
+          {"parameters": {"unload_dependents": unload_dependents}} if unload_dependents else None, token=token)
 
 
-def repository_index(url: str) -> list[dict]:
-    return _post(url, "/v2/repository/index") or []
+def repository_index(url: str, token: Optional[str] = None) -> list[dict]:
+    return _post(url, "/v2/repository/index", token=token) or []
 
 
-def load_version(url: str, models=("preprocessing", "postprocessing", "generator")) -> None:
+def load_version(url: str, models=("preprocessing", "postprocessing", "generator"), token: Optional[str] = None) -> None:
     """Make the server serve what the repository's version policy now names (after add_version or
     set_version_policy). The three versioned models are reloaded; the ensemble follows (steps use version -1)."""
     for m in models:
-        load_model(url, m)
+        load_model(url, m, token)
 
 
 DEFAULT_PROMPTS = ["The quick brown fox", "def main():", "Lists are mutable sequences", "import os",

@@ -1,0 +1,261 @@
+"""`bpcompile serve` as an operator runs it (a real subprocess, a real tritonserver, real signals) and as a
+hostile client or local user probes it: planted backend stubs, the repository API, SIGTERM with streams in
+flight, tritonserver killed under it. Also the CLI's error output and `build` without the serve extra."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.serving_fixtures import REPO, TINY, make_engine
+
+pytestmark = pytest.mark.timeout(400)
+
+EVIL_MODEL = """
+import pathlib
+class TritonPythonModel:
+    def initialize(self, args):
+        pathlib.Path({marker!r}).write_text("ran")
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    pytest.importorskip("pytriton")
+    pytest.importorskip("tritonclient.grpc")
+    from bpcompile.triton.emit import emit_repository
+
+    root = tmp_path_factory.mktemp("hardening")
+    emit_repository([(1, make_engine(root / "engine" / "1", 1))], root / "repo")
+    return root / "repo"
+
+
+class Serve:
+    """`bpcompile serve REPO ...` in a subprocess, on free ports, stderr captured to a file."""
+
+    def __init__(self, repo: Path, tmp: Path, *args: str, env: dict | None = None):
+        from bpcompile.triton.serve import free_port
+
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.err_file = tmp / f"serve-{self.http}.err"
+        cmd = [sys.executable, "-m", "bpcompile.cli", "serve", str(repo), "--http-port", str(self.http),
+               "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), *args]
+        with open(self.err_file, "wb") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=err, env={**os.environ, **(env or {})})
+        _started.append(self)
+        deadline = time.monotonic() + 240
+        # ready: the ensemble answers and serve has printed its endpoints (the last being the log)
+        while self.status("/v2/models/ensemble/ready") != 200 or not re.search(r"^log\s", self.stderr(), re.M):
+            assert self.proc.poll() is None, f"serve exited {self.proc.returncode}:\n{self.stderr()}"
+            assert time.monotonic() < deadline, self.stderr()
+            time.sleep(0.25)
+        self.log = Path(re.search(r"^log\s+(\S+)", self.stderr(), re.M).group(1))
+
+    def stderr(self) -> str:
+        return self.err_file.read_text(errors="replace")
+
+    @property
+    def triton_pid(self) -> int:
+        return int(re.search(r"tritonserver pid (\d+)", self.stderr()).group(1))
+
+    def status(self, path: str, body: dict | None = None, headers: dict | None = None) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", headers=headers or {},
+                                     data=None if body is None else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def wait(self, timeout=90) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self):
+        """serve and tritonserver's whole process group (its own session: the Python backend stubs too)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        pids = children.read_text().split() if self.proc.poll() is None and children.exists() else []
+        self.proc.kill()
+        self.proc.wait()
+        for pid in pids:
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+_started: list[Serve] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    yield
+    while _started:
+        _started.pop().kill()
+
+
+def _evil_load_body(marker: Path) -> dict:
+    config = {"name": "evil", "backend": "python", "max_batch_size": 0,
+              "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [1]}],
+              "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}
+    model = base64.b64encode(EVIL_MODEL.format(marker=str(marker)).encode()).decode()
+    return {"parameters": {"config": json.dumps(config), "file:1/model.py": model}}
+
+
+def _plant_backends(tmpdir: Path, marker: Path) -> Path:
+    """A working backends directory at the fixed path earlier versions reused, owned by another user, whose
+    stub records who ran it before running the real one."""
+    import hashlib
+
+    from bpcompile.triton.serve import _pytriton_dist
+
+    dist = _pytriton_dist()
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    root = tmpdir / f"bpcompile-tritonserver-{os.getuid()}" / f"py{ver}-{hashlib.sha256(str(dist).encode()).hexdigest()[:10]}"
+    shutil.copytree(dist / "backends", root / "backends")
+    stub = root / "backends" / "python" / "triton_python_backend_stub"
+    real = root.parent / "real_stub"
+    shutil.copy2(dist / "python_backend_stubs" / ver / "triton_python_backend_stub", real)
+    stub.write_text(f"#!/bin/sh\nid > {marker}\nexec {real} \"$@\"\n")
+    stub.chmod(0o755)
+    for p in [root.parent, *root.parent.rglob("*")]:
+        os.lchown(p, 12345, 12345)
+    return root
+
+
+def _stream(port: int, n: int, max_tokens: int):
+    """n streams over gRPC; returns (results, a started Event set once every stream has text)."""
+    from bpcompile.triton.client import generate_remote
+
+    results, started = {}, [threading.Event() for _ in range(n)]
+
+    def one(i):
+        try:
+            results[i] = generate_remote(f"127.0.0.1:{port}", "The quick brown fox", max_tokens, stream=True,
+                                         on_text=lambda t: started[i].set())
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return results, started, threads
+
+
+def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo, tmp_path):
+    from bpcompile.triton.client import RemoteError, generate_remote
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    planted_ran, evil_ran = tmp_path / "planted-stub-ran", tmp_path / "evil-ran"
+    _plant_backends(tmpdir, planted_ran)
+    s = Serve(repo, tmp_path, env={"TMPDIR": str(tmpdir)})
+    assert not planted_ran.exists(), planted_ran.read_text()
+    backends = Path(re.search(r'"backend-directory":"([^"]+)"', s.log.read_text()).group(1))
+    assert backends.parent.parent == tmpdir and backends.parent.name.startswith("bpcompile-serve-")
+    assert stat.S_IMODE(backends.parent.stat().st_mode) == 0o700 and backends.parent.stat().st_uid == os.getuid()
+
+    # model control none: the repository API can neither load code nor unload what is served
+    assert s.status("/v2/repository/models/evil/load", _evil_load_body(evil_ran)) >= 400
+    assert s.status("/v2/repository/models/generator/unload", {}) >= 400
+    assert not evil_ran.exists()
+    assert s.status("/v2/models/generator/ready") == 200
+    assert generate_remote(f"127.0.0.1:{s.grpc}", "Hello", 4)["tokens"] == 4
+
+    results, started, threads = _stream(s.grpc, 4, 400)
+    assert all(e.wait(120) for e in started), results
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the generators see the drain flag within 0.1 s
+    with pytest.raises(RemoteError, match="shutting down"):
+        generate_remote(f"127.0.0.1:{s.grpc}", "Hello", 4)
+    assert s.wait() == 0, s.stderr()
+    for t in threads:
+        t.join(30)
+    for r in results.values():  # every stream ran to its end: a final response each
+        assert isinstance(r, dict), r
+        assert r["finish_reason"] in ("length", "stop") and r["tokens"] > 0, r
+    assert "exit code 0" in s.stderr() and not backends.parent.exists()
+    assert not planted_ran.exists()
+
+
+def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(repo, tmp_path):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from bpcompile.triton.client import repository_index
+
+    token = secrets.token_urlsafe(24)
+    evil_ran = tmp_path / "evil-ran"
+    s = Serve(repo, tmp_path, "--model-control", "explicit", env={"BPCOMPILE_REPOSITORY_TOKEN": token})
+    assert token not in s.stderr()  # given in the environment: not echoed
+    body = _evil_load_body(evil_ran)
+    assert s.status("/v2/repository/models/evil/load", body) == 403
+    assert s.status("/v2/repository/models/evil/load", body, {"bpcompile-repository-token": "x" * 32}) == 403
+    assert s.status("/v2/repository/models/generator/unload", {}) == 403
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc}")
+    with pytest.raises(InferenceServerException):
+        c.unload_model("generator")
+    with pytest.raises(InferenceServerException):
+        c.load_model("evil", config=body["parameters"]["config"],
+                     files={"file:1/model.py": EVIL_MODEL.format(marker=str(evil_ran)).encode()})
+    c.close()
+    assert not evil_ran.exists() and s.status("/v2/models/generator/ready") == 200
+    # with the token the API answers (explicit mode is on; the restriction is the token)
+    idx = {m["name"]: m.get("state") for m in repository_index(f"127.0.0.1:{s.http}", token=token)}
+    assert idx["generator"] == "READY"
+
+    os.kill(s.triton_pid, signal.SIGKILL)  # tritonserver dies under serve: a supervisor must see it
+    assert s.wait(60) == 1, s.stderr()
+    assert "killed by SIGKILL" in s.stderr()
+
+
+def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess:
+    code = f"import sys\n{pre}\nfrom bpcompile.cli import main\nsys.argv = ['bpcompile', *sys.argv[1:]]\nmain()"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_error_messages_keep_square_brackets():
+    r = _cli("emit", "--policy", "latest:[serve]", "--repo", "nowhere")
+    assert r.returncode == 2 and "--policy 'latest:[serve]'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("missing", ["tritonclient", "google.protobuf"])
+def test_build_without_the_serve_extra_fails_before_publishing(tmp_path, missing):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""name: t
+models:
+  verifier: {{path: {TINY / 'verifier'}, dtype: float32}}
+  draft: {{path: {TINY / 'draft'}, dtype: float32}}
+limits: {{max_batch_size: 4, max_input_len: 64, max_seq_len: 128}}
+kv_cache: {{format: fp16}}
+output: {{store: {tmp_path / 'engines'}, triton_repo: {tmp_path / 'triton_repo'}}}
+triton: {{emit: true}}
+kernels: {{compile: false}}
+""")
+    # the extra's modules made unimportable in this interpreter, as when it is not installed
+    r = _cli("build", str(recipe), pre=f"sys.modules[{missing!r}] = None")
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'bpcompile[serve]'" in r.stderr and "triton.emit" in r.stderr, r.stderr
+    assert not list(tmp_path.rglob("manifest.json"))  # no engine version published
+    assert not (tmp_path / "triton_repo").exists()
