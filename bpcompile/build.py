@@ -3,6 +3,9 @@
 Data flows one way through the stages. Each stage writes only into the staging directory of the
 version being built; the version is published atomically at the end (see store.py). A stage that
 cannot run here (TensorRT absent, say) is recorded as skipped with its reason, never faked.
+
+A killed build leaves only a locked staging directory, which the next build removes (store.py); the
+Triton repository is written under its own lock and switched to a new version as a whole (triton/emit.py).
 """
 from __future__ import annotations
 
@@ -19,9 +22,9 @@ from typing import Callable, Optional
 import yaml
 
 from . import __version__
-from .errors import UserError
+from .errors import MissingDependency, UserError
 from .recipe import LoadedRecipe, load_recipe
-from .store import EngineStore, HashCache, Version
+from .store import EngineStore, HashCache, Version, fault_point
 
 PKG_DIR = Path(__file__).resolve().parent
 REPO_DIR = PKG_DIR.parent
@@ -106,9 +109,12 @@ class Reporter:
     def run(self, name: str, fn: Callable[[], dict | None]) -> dict:
         t = time.perf_counter()
         result = fn() or {}
-        rec = StageRecord(name, "ran", time.perf_counter() - t, result.pop("detail", ""), result)
+        # a stage function may find at run time that it cannot apply (e.g. kernels for an unsupported head size)
+        status = "skipped" if result.get("status") == "skipped" else "ran"
+        rec = StageRecord(name, status, time.perf_counter() - t, result.pop("detail", ""), result)
         self.stages.append(rec)
-        self.log(f"[ok] {name} ({rec.seconds:.1f}s){': ' + rec.detail if rec.detail else ''}")
+        self.log(f"[{'ok' if status == 'ran' else status}] {name} ({rec.seconds:.1f}s)"
+                 f"{': ' + rec.detail if rec.detail else ''}")
         return result
 
     def skip(self, name: str, why: str):
@@ -120,6 +126,35 @@ def _dtype(spec: str) -> Optional[str]:
     return None if spec == "auto" else spec
 
 
+def check_side_files(d: Path, key: str) -> None:
+    """Tokenizer side files are copied into the engine and the Triton repository, so a symbolic link leading
+    out of the checkpoint (special_tokens_map.json -> ~/.ssh/id_rsa) would publish what it points at. Links
+    inside the checkpoint are fine, and so is the Hugging Face cache layout (snapshots/<rev>/f -> ../../blobs/)."""
+    roots = [d.resolve()]
+    if d.parent.name == "snapshots":
+        roots.append(d.parent.parent.resolve() / "blobs")
+    for name in TOKENIZER_FILES:
+        f = d / name
+        if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
+            raise UserError(f"{name} is a symbolic link to {f.resolve()}, outside the checkpoint directory "
+                            f"(it would be copied into the engine and the Triton repository); put the file itself "
+                            f"in the checkpoint", file=str(f), key=key)
+
+
+def _check_outputs(loaded: LoadedRecipe) -> None:
+    """Before any work: the repository must not overlap the store, and must be one bpcompile may write."""
+    if not loaded.recipe.triton.emit:
+        return
+    s, t = loaded.store_dir.resolve(), loaded.triton_repo_dir.resolve()
+    if s == t or s.is_relative_to(t) or t.is_relative_to(s):
+        raise UserError(f"output.store ({s}) and output.triton_repo ({t}) overlap: emitting the repository would "
+                        f"write among engine versions; give them separate directories",
+                        file=str(loaded.file), key="output.triton_repo")
+    from .triton.emit import check_repository
+
+    check_repository(loaded.triton_repo_dir, loaded.recipe.name)
+
+
 def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Reporter] = None,
           fail_after: Optional[str] = None) -> BuildResult:
     """Build and publish one engine version. `fail_after` names a stage after which to raise (tests use it
@@ -127,7 +162,21 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
     rep = reporter or Reporter()
     loaded = load_recipe(recipe_path)
     r = loaded.recipe
+    if r.triton.emit:  # emission needs the [serve] extra: fail here, not after publishing a version
+        try:
+            from .triton import emit  # noqa: F401
+        except (ImportError, MissingDependency) as e:
+            raise MissingDependency(f"triton.emit is true, but emitting a Triton repository needs the serve extra "
+                                    f"({e}): pip install 'bpcompile[serve]', or set triton.emit: false",
+                                    file=str(loaded.file), key="triton.emit") from None
+    for role, d in (("verifier", loaded.verifier_dir), ("draft", loaded.draft_dir)):
+        check_side_files(d, f"models.{role}.path")
+    _check_outputs(loaded)
     store = EngineStore(loaded.store_dir)
+    for p in store.clean_stale(r.name):
+        rep.log(f"removed {p}: left by a build that was interrupted")
+    for p, why in store.incomplete(r.name):
+        rep.log(f"warning: {p} is not an engine version ({why}); skipped, and its number is not reused")
 
     hc = HashCache(loaded.store_dir / ".hash-cache.json")
     t = time.perf_counter()
@@ -170,12 +219,14 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
             return dict(out, detail=f"tp={tp} pp={pp_}, {tp * pp_} rank files, {out['bytes'] / 1e6:.1f} MB")
 
         rep.run("convert verifier", lambda: convert("verifier", loaded.verifier_dir, pp))
+        fault_point("convert")
         maybe_fail("convert verifier")
         # The draft is small: it keeps the recipe's tp (so it can sit on the verifier's GPUs) but no pp.
         rep.run("convert draft", lambda: convert("draft", loaded.draft_dir, 1))
         maybe_fail("convert draft")
         rep.run("tokenizer", lambda: _copy_tokenizer(loaded.verifier_dir, stage / "tokenizer"))
 
+        fault_point("calibrate")
         _calibrate_stage(loaded, stage, rep)
         maybe_fail("calibrate")
         _kernels_stage(loaded, stage, rep)
@@ -198,6 +249,7 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> dict:
+    check_side_files(src, "models.verifier.path")  # again: the checkpoint may have changed since the build began
     dst.mkdir(parents=True)
     copied = [f for f in TOKENIZER_FILES if (src / f).is_file() and shutil.copy2(src / f, dst / f)]
     if "tokenizer.json" not in copied:
@@ -261,6 +313,8 @@ def _emit_if_wanted(loaded: LoadedRecipe, store: EngineStore, version: Version, 
         return None
     t = time.perf_counter()
     repo = loaded.triton_repo_dir
-    publish_version(repo, version.path, version.version, loaded.recipe)
+    out = publish_version(repo, version.path, version.version, loaded.recipe)
+    for line in out.get("repaired", []):
+        rep.log(f"repaired {repo}: {line}")
     rep.log(f"[ok] triton repository {repo} has version {version.version} ({time.perf_counter() - t:.1f}s)")
     return repo

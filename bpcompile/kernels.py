@@ -727,6 +727,49 @@ def _sha256(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+# The compiler subprocess's entry point. It first asks the kernel to SIGKILL it when its parent dies (Linux
+# PR_SET_PDEATHSIG; the parent check covers a parent that died before that), so a build killed with -9 does
+# not leave a compiler running on as an orphan; only then does it import torch and triton.
+_COMPILER_MAIN = """import os, signal, sys
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[2]):
+    os._exit(1)
+from bpcompile.kernels import _aot_compile
+_aot_compile(sys.argv[1])
+"""
+
+
+def _run_compiler(job: Path, env: dict) -> None:
+    from .store import fault_point
+
+    cmd = [sys.executable, "-c", _COMPILER_MAIN, str(job), str(os.getpid())]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        fault_point("kernels")
+        try:
+            _, err = proc.communicate()
+        except BaseException:  # interrupted: take the compiler down with us
+            proc.kill()
+            raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"Triton AOT compile failed:\n{err[-6000:]}")
+
+
+def _remove_dead_tmp(cache: Path) -> None:
+    """Remove <key>.tmp<pid> directories of compiles whose process is gone (a build killed mid-compile)."""
+    for d in cache.glob("*.tmp*"):
+        pid = d.name.rpartition(".tmp")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("BPCOMPILE_CACHE", Path.home() / ".cache" / "bpcompile")) / "kernels"
 
@@ -820,6 +863,7 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     hit = (cached / "done").is_file()
     if not hit:
+        _remove_dead_tmp(cached.parent)
         tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -828,10 +872,7 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
         env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp / ".triton"),
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                os.environ.get("PYTHONPATH", "")]))
-        r = subprocess.run([sys.executable, "-c", "import sys; from bpcompile.kernels import _aot_compile; "
-                            "_aot_compile(sys.argv[1])", str(job)], env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"Triton AOT compile failed:\n{r.stderr[-6000:]}")
+        _run_compiler(job, env)
         shutil.rmtree(tmp / ".triton", ignore_errors=True)
         job.unlink()
         (tmp / "done").write_text(key + "\n")

@@ -201,6 +201,78 @@ def test_publish_version_emits_then_adds_idempotently(tmp_path):
     assert publish_version(repo, e2, 2)["versions"] == [1, 2]
 
 
+def test_emit_writes_only_into_a_directory_it_owns(tmp_path):
+    e = engine_dir(tmp_path / "engines", 1)
+    theirs = tmp_path / "theirs"
+    (theirs / "generator" / "7").mkdir(parents=True)
+    (theirs / "generator" / "7" / "model.py").write_text("# someone else's")
+    with pytest.raises(UserError, match="not created by bpcompile"):
+        emit_repository([(1, e)], theirs, overwrite=True)
+    assert (theirs / "generator" / "7" / "model.py").read_text() == "# someone else's"
+    assert [p.name for p in theirs.iterdir()] == ["generator"]
+    # inside the engine store (or the store inside the repository): refused, nothing written
+    for bad in (tmp_path / "engines", tmp_path / "engines" / "repo", tmp_path):
+        with pytest.raises(UserError, match="overlaps the engine store"):
+            emit_repository([(1, e)], bad)
+    assert sorted(p.name for p in (tmp_path / "engines").iterdir()) == ["1"]
+    # a repository of another engine takes no version of this one
+    mine = tmp_path / "mine"
+    emit_repository([(1, e)], mine)
+    other = engine_dir(tmp_path / "other", 2, name="other")
+    with pytest.raises(UserError, match="one engine name per repository"):
+        add_version(mine, 2, other)
+    assert not (mine / "generator" / "2").exists()
+
+
+def test_bad_version_policy_writes_nothing(tmp_path):
+    e = engine_dir(tmp_path / "engines", 1)
+    with pytest.raises(UserError, match="version_policy"):
+        emit_repository([(1, e)], tmp_path / "repo", version_policy={"latest": 0})
+    assert not (tmp_path / "repo").exists()
+
+
+def test_engine_links_leading_out_are_not_copied(tmp_path):
+    e = engine_dir(tmp_path / "engines", 1)
+    (tmp_path / "secret").write_text("s3cret")
+    (e / "tokenizer" / "special_tokens_map.json").symlink_to(tmp_path / "secret")
+    with pytest.raises(UserError, match="symbolic link"):
+        emit_repository([(1, e)], tmp_path / "repo")
+    assert not [f for f in (tmp_path / "repo").rglob("*") if f.is_file() and f.read_bytes() == b"s3cret"]
+
+
+def test_a_version_missing_from_one_model_is_not_already_present(tmp_path):
+    """publish_version's no-op needs every model to hold the version: a half-published one is repaired."""
+    repo = tmp_path / "repo"
+    e1, e2 = engine_dir(tmp_path / "engines", 1), engine_dir(tmp_path / "engines", 2)
+    publish_version(repo, e1, 1)
+    publish_version(repo, e2, 2)
+    shutil.rmtree(repo / "generator" / "2")
+    out = publish_version(repo, e2, 2)
+    assert out["note"] != "already present" and out["versions"] == [1, 2]
+    assert any("removed version 2" in x for x in out["repaired"])
+    assert not [p for m in MODELS for p in (repo / m).iterdir() if p.name.startswith(".")]
+
+
+def test_a_switch_killed_halfway_is_finished_by_repair(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = tmp_path / "repo"
+    e1, e2 = engine_dir(tmp_path / "engines", 1), engine_dir(tmp_path / "engines", 2)
+    emit_repository([(1, e1)], repo)
+    code = "import sys; from bpcompile.triton.emit import add_version; add_version(sys.argv[1], 2, sys.argv[2])"
+    r = subprocess.run([sys.executable, "-c", code, str(repo), str(e2)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "BPCOMPILE_FAULT_AT": "switch"})
+    assert r.returncode == -9, r.stderr
+    assert (repo / "preprocessing" / "2").is_dir() and not (repo / "generator" / "2").exists()
+    assert any("finished an interrupted switch" in x for x in emit.repair_repository(repo))
+    assert emit._versions(repo) == [1, 2]
+    assert json.loads((repo / "generator" / "2" / "engine_source.json").read_text())["build_id"] == "b2"
+    assert not [p for m in MODELS for p in (repo / m).iterdir() if p.name.startswith(".")]
+    assert emit.repair_repository(repo) == []
+
+
 # --- the streamed-text contract ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

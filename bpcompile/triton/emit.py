@@ -12,6 +12,8 @@ Layout (native target):
       postprocessing/config.pbtxt  python backend, ONE instance (response order, see below)
       postprocessing/<N>/          model.py + tokenizer/
       bpcompile_repository.json    what was emitted from where (for people and for add_version)
+      .bpcompile-repository.json   the ownership marker: {"engine": NAME}
+      .bpcompile-repository.lock   held while emitting
 
 Decisions:
 * Version directories are the engine store's version numbers, for the three models that carry a version's
@@ -20,10 +22,16 @@ Decisions:
   rsynced to a server, and the engine store can be cleaned without breaking what is served). The tiny pair is
   ~20 MB; for a 70B verifier pass `link=True` to symlink instead. engine_source.json names the origin and its
   build id either way.
-* Publishing a version copies it into hidden staging directories and renames them into place, generator last,
-  so a server never sees a half-written version; configs are not touched, so nothing being served changes until
-  the models are (re)loaded (explicit mode: load API; poll mode: the next poll). Rollback = set_version_policy
-  (repo, {"specific": [old]}) and reload.
+* The repository is bpcompile's: it is created with a marker (.bpcompile-repository.json naming the engine), and
+  emission refuses a non-empty directory without one and a repository of another engine name, so it never
+  deletes or mixes in what it did not write. Emission holds the repository's lock (.bpcompile-repository.lock).
+* Publishing a version stages everything first (each model's <N>/ in a hidden .staging-* sibling, configs and
+  the summary as hidden .tmp-* files: Triton ignores non-numeric version names), then switches: it writes the
+  list of renames (.bpcompile-switch.json) and performs them, generator last. Renames take microseconds and
+  next to no space; if the process dies between two of them, the next emission finishes the switch before
+  anything else, and removes staging that was never committed. Configs of served models are not touched by
+  add_version, so nothing being served changes until the models are (re)loaded (explicit mode: load API; poll
+  mode: the next poll). Rollback = set_version_policy(repo, {"specific": [old]}) and reload.
 * Response order: a decoupled generator's responses travel through postprocessing independently; with several
   postprocessing instances they can overtake each other (seen with 2.51: A C D B E). Each response is decodable
   on its own (protocol.py), and postprocessing runs as exactly one instance, so it handles one request's
@@ -33,18 +41,21 @@ Decisions:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import yaml
+from filelock import FileLock
 from google.protobuf import text_format
 
 from ..errors import UserError
+from ..store import fault_point
 
 try:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -130,9 +141,7 @@ def version_policy_proto(policy) -> mc.ModelVersionPolicy:
 
 
 def write_config(path: Path, cfg: mc.ModelConfig) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text_format.MessageToString(cfg))
-    os.replace(tmp, path)  # a poller never reads half a config
+    _write_atomic(Path(path), text_format.MessageToString(cfg))  # a poller never reads half a config
 
 
 def read_config(path: Path) -> mc.ModelConfig:
@@ -154,14 +163,19 @@ def preprocessing_config(max_batch_size: int, policy, instances: int = 1) -> mc.
     return cfg
 
 
-GENERATOR_INPUTS = [
-    ("input_ids", T.TYPE_INT32, [-1], False), ("input_lengths", T.TYPE_INT32, [1], False),
-    ("request_output_len", T.TYPE_INT32, [1], False), ("end_id", T.TYPE_INT32, [1], True),
+GENERATOR_INPUTS = [  # all optional: the generator tells its two interfaces apart by input_ids
+    ("input_ids", T.TYPE_INT32, [-1], True), ("input_lengths", T.TYPE_INT32, [1], True),
+    ("request_output_len", T.TYPE_INT32, [1], True), ("end_id", T.TYPE_INT32, [1], True),
     ("stop_words_list", T.TYPE_INT32, [2, -1], True), ("bad_words_list", T.TYPE_INT32, [2, -1], True),
     ("streaming", T.TYPE_BOOL, [1], True), ("temperature", T.TYPE_FP32, [1], True),
     ("runtime_top_k", T.TYPE_INT32, [1], True), ("runtime_top_p", T.TYPE_FP32, [1], True),
     ("seed", T.TYPE_UINT64, [1], True),
 ]
+# The generator also takes the ensemble's own requests (text in, text out; models/generator.py): only on a
+# request sent to the generator itself does a client's cancellation or disconnect reach the generation loop.
+GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in {g[0] for g in GENERATOR_INPUTS}]
+GENERATOR_TEXT_OUTPUTS = [("text_output", T.TYPE_STRING, [-1]), ("output_ids", T.TYPE_INT32, [-1]),
+                          ("response_index", T.TYPE_INT32, [1]), ("finish_reason", T.TYPE_STRING, [1])]
 
 
 def generator_config(max_batch_size: int, policy, instances: int = 1, device: str = "cpu",
@@ -169,10 +183,10 @@ def generator_config(max_batch_size: int, policy, instances: int = 1, device: st
     cfg = mc.ModelConfig(name="generator", backend="python", max_batch_size=max_batch_size,
                          version_policy=version_policy_proto(policy))
     cfg.model_transaction_policy.decoupled = True
-    _inputs(cfg, GENERATOR_INPUTS)
+    _inputs(cfg, GENERATOR_INPUTS + GENERATOR_TEXT_INPUTS)
     _outputs(cfg, [("CONTEXT_IDS", T.TYPE_INT32, [-1]), ("READ_OFFSET", T.TYPE_INT32, [1]),
                    ("IS_FINAL", T.TYPE_BOOL, [1]), ("RESPONSE_INDEX", T.TYPE_INT32, [1]),
-                   ("FINISH_REASON", T.TYPE_STRING, [1])] + [(n, t, [1]) for n, t in STATS])
+                   ("FINISH_REASON", T.TYPE_STRING, [1])] + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS)
     # One instance = one runtime = one in-flight batch; more instances are more model copies, each its own batch.
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
     _params(cfg, device=device, tree=json.dumps(tree) if tree else "")
@@ -278,6 +292,175 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
     return cfg
 
 
+# --- ownership, lock and the version switch ---------------------------------------------------------------
+
+MARKER = ".bpcompile-repository.json"  # {"engine": NAME}: written when bpcompile creates the repository
+LOCK = ".bpcompile-repository.lock"
+JOURNAL = ".bpcompile-switch.json"     # the renames of a switch in progress (see _commit)
+PLACEHOLDERS = ("README.md",)          # a new repository directory may hold a README (this checkout's does)
+_STAGED = (".staging-", ".tmp-")       # names of staged version directories and files
+
+
+def _marker(repo: Path) -> Optional[dict]:
+    f = repo / MARKER
+    if not f.exists():
+        return None
+    try:
+        m = json.loads(f.read_text())
+    except (OSError, ValueError):
+        m = None
+    if not isinstance(m, dict) or not isinstance(m.get("engine"), str):
+        raise UserError(f"damaged ownership marker (expected {{\"engine\": NAME}}); restore it or emit into a new "
+                        f"directory", file=str(f))
+    return m
+
+
+def check_repository(repo_dir: Union[str, Path], name: Optional[str]) -> Optional[dict]:
+    """Refuse, before anything is written, a repository that bpcompile may not write into: not a directory; a
+    non-empty directory it did not create (no MARKER: emission creates and replaces model directories, which
+    would destroy someone else's); or one created for another engine name (one engine name per repository:
+    the versions are that engine's versions). `name` None: an existing emitted repository is required.
+    Returns the marker, or None for a new (or empty) directory."""
+    repo = Path(repo_dir)
+    if not repo.exists() and name is not None:
+        return None
+    if not repo.is_dir():
+        raise UserError("not a directory" if repo.exists() else "no such repository", file=str(repo))
+    m = _marker(repo)
+    if m is None:
+        foreign = sorted(p.name for p in repo.iterdir()
+                         if p.name != LOCK and not (p.name in PLACEHOLDERS and p.is_file()))
+        if name is None:
+            raise UserError(f"not a repository emitted by bpcompile (no {MARKER})", file=str(repo))
+        if foreign:
+            older = " (an older bpcompile's repository: move it away)" if SUMMARY in foreign else ""
+            listing = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            raise UserError(f"this directory is not empty ({listing})"
+                            f" and was not created by bpcompile (no {MARKER}){older}; bpcompile emits only into a "
+                            f"new or empty directory, which it then owns: choose another one (output.triton_repo "
+                            f"of the recipe, --repo of bpcompile emit)", file=str(repo))
+        return None
+    if name is not None and m["engine"] != name:
+        raise UserError(f"this repository serves engine {m['engine']!r}, not {name!r}: one engine name per "
+                        f"repository (its model versions are that engine's versions); choose another directory "
+                        f"(output.triton_repo of the recipe, --repo of bpcompile emit)", file=str(repo))
+    return m
+
+
+def _check_apart(repo: Path, engine_dir: Path) -> None:
+    """The repository must not overlap the engine store: emission creates and replaces directories in it."""
+    r, e = repo.resolve(), Path(engine_dir).resolve()
+    if e.is_relative_to(r) or r.is_relative_to(e.parent):
+        raise UserError(f"the repository overlaps the engine store of {e} (emission would write among engine "
+                        f"versions); emit into a directory outside it", file=str(repo))
+
+
+def _model_versions(d: Path) -> set[int]:
+    return {int(p.name) for p in d.iterdir() if p.name.isdigit() and not p.name.startswith("0") and p.is_dir()} \
+        if d.is_dir() else set()
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _clean_staged(repo: Path) -> list[str]:
+    """Remove staged directories and files that no commit refers to (only ever called under the lock)."""
+    if (repo / JOURNAL).exists():
+        return []  # they are what the journal's switch still has to move
+    out = []
+    for d in [repo] + [repo / m for m in VERSIONED + ("ensemble",)]:
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.startswith(_STAGED):
+                    _remove(p)
+                    out.append(f"removed {p.relative_to(repo)}, left by an interrupted emission")
+    return out
+
+
+def _repair(repo: Path) -> list[str]:
+    """Finish a switch that was interrupted (kill -9, full disk), drop what an uncommitted emission staged, and
+    remove a version that only some of the models have (what emission before the journal could leave)."""
+    out = []
+    j = repo / JOURNAL
+    if j.is_file():
+        try:
+            renames = json.loads(j.read_text())["renames"]
+        except (OSError, ValueError, KeyError, TypeError):
+            renames = []  # it is renamed into place whole, so this is not a journal bpcompile wrote
+        for src, dst in renames:
+            s, d = repo / src, repo / dst
+            if not (s.resolve().is_relative_to(repo.resolve()) and d.resolve().is_relative_to(repo.resolve())):
+                continue
+            if s.exists() and not (s.is_dir() and d.exists()):
+                os.replace(s, d)
+        j.unlink()
+        out.append(f"finished an interrupted switch ({len(renames)} renames)")
+    out += _clean_staged(repo)
+    have = {m: _model_versions(repo / m) for m in VERSIONED}
+    if all((repo / m).is_dir() for m in VERSIONED):
+        for v in sorted(set.union(*have.values()) - set.intersection(*have.values())):
+            holders = [m for m in VERSIONED if v in have[m]]
+            for m in holders:
+                _remove(repo / m / str(v))
+            out.append(f"removed version {v}, which only {', '.join(holders)} had")
+    return out
+
+
+@contextlib.contextmanager
+def _locked(repo: Path, name: Optional[str], engine_dirs: Iterable[Path] = ()) -> Iterator[list[str]]:
+    """Check that bpcompile may write `repo`, lock it (one emission at a time), mark a new repository as
+    bpcompile's for engine `name`, and repair what an interrupted emission left. Yields the repairs made."""
+    for e in engine_dirs:
+        _check_apart(repo, e)
+    check_repository(repo, name)  # refuse before writing anything
+    repo.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(repo / LOCK)):
+        if check_repository(repo, name) is None:  # again: another process may have got here first
+            _write_atomic(repo / MARKER, json.dumps({"engine": name}) + "\n")
+        repaired = _repair(repo)
+        try:
+            yield repaired
+        except BaseException:
+            _clean_staged(repo)  # a failure (a full disk, say) before the commit: nothing of it stays
+            raise
+
+
+def repair_repository(repo_dir: Union[str, Path]) -> list[str]:
+    """Finish a switch that a killed emission left half done, and drop its uncommitted staging; returns what was
+    done. Every emission does this first; a server can call it before it loads the repository."""
+    with _locked(Path(repo_dir), None) as repaired:
+        return repaired
+
+
+def _stage_text(final: Path, text: str) -> Path:
+    """Write `text` next to `final` under a hidden name (Triton ignores it); _commit renames it into place."""
+    tmp = final.with_name(f".tmp-{final.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    return tmp
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    os.replace(_stage_text(path, text), path)
+
+
+def _commit(repo: Path, renames: list[tuple[Path, Path]]) -> None:
+    """Make what was staged visible. The list of renames is written first, atomically: from then on the new
+    version cannot stay half-switched, because the next emission (under the lock) replays what is left.
+    Renames allocate no file data, so a full disk that let the staging finish does not stop the switch.
+    Order: version directories (generator last within each version), then configs, then the summary."""
+    journal = [[str(s.relative_to(repo)), str(d.relative_to(repo))] for s, d in renames]
+    _write_atomic(repo / JOURNAL, json.dumps({"renames": journal}))
+    for i, (s, d) in enumerate(renames):
+        os.replace(s, d)
+        if i == 0:
+            fault_point("switch")
+    (repo / JOURNAL).unlink()
+
+
 # --- engine versions --------------------------------------------------------------------------------------
 
 def _engine_recipe(engine_dir: Path) -> dict:
@@ -292,34 +475,44 @@ def _engine_recipe(engine_dir: Path) -> dict:
 
 def _manifest(engine_dir: Path) -> dict:
     try:
-        return json.loads((engine_dir / "manifest.json").read_text())
+        m = json.loads((engine_dir / "manifest.json").read_text())
     except (OSError, ValueError):
         return {}
+    return m if isinstance(m, dict) else {}
+
+
+def _engine_name(engine_dir: Path) -> str:
+    name = _engine_recipe(engine_dir).get("name") or _manifest(engine_dir).get("name")
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{engine_dir}: no engine name in recipe.yaml or manifest.json", file=str(engine_dir))
+    return name
+
+
+def _check_links(engine_dir: Path) -> None:
+    """What is copied into the repository must come from the engine version: no link may lead out of it."""
+    root = engine_dir.resolve()
+    for d, dirs, files in os.walk(engine_dir):
+        for n in dirs + files:
+            p = Path(d) / n
+            if p.is_symlink() and not p.resolve().is_relative_to(root):
+                raise UserError(f"a symbolic link to {p.resolve()}, outside the engine version: it would be "
+                                f"copied into the repository", file=str(p))
 
 
 def _tokenizer_hash(engine_dir: Path) -> str:
     return hashlib.sha256((engine_dir / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
-def _stage_dir(model_dir: Path, version: int, fill) -> None:
-    """Build model_dir/<version>/ in a hidden sibling (Triton ignores non-numeric names), then rename it in."""
-    final = model_dir / str(version)
-    tmp = model_dir / f".staging-{version}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        fill(tmp)
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_version(repo: Path, version: int, engine_dir: Path, target: str, link: bool) -> dict:
+def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
+                   link: bool) -> tuple[list[tuple[Path, Path]], dict]:
+    """Fill hidden staging directories for model_dir/<version>/ of the three models; returns the renames that
+    publish them (generator last) and the version's summary entry."""
     engine_dir = Path(engine_dir).resolve()
     existing = [m for m in VERSIONED if (repo / m / str(version)).exists()]
     if existing:
         raise UserError(f"{repo} already has version {version} of {', '.join(existing)}; "
                         f"versions are immutable (publish a new engine version instead)", file=str(repo))
+    _check_links(engine_dir)
     tok = engine_dir / "tokenizer"
 
     def copy_tokenizer(model):
@@ -340,42 +533,45 @@ def _write_version(repo: Path, version: int, engine_dir: Path, target: str, link
             {"engine_dir": str(engine_dir), "copied": not link, "name": m.get("name"),
              "version": m.get("version"), "build_id": m.get("build_id")}, indent=2) + "\n")
 
-    for model in ("preprocessing", "postprocessing"):
-        _stage_dir(repo / model, version, copy_tokenizer(model))
-    _stage_dir(repo / "generator", version, fill_generator)  # last: its appearance completes the version
-    return {"version": version, "engine_dir": str(engine_dir), "build_id": _manifest(engine_dir).get("build_id"),
-            "tokenizer": _tokenizer_hash(engine_dir)}
+    renames = []
+    for model, fill in (("preprocessing", copy_tokenizer("preprocessing")),
+                        ("postprocessing", copy_tokenizer("postprocessing")), ("generator", fill_generator)):
+        tmp = repo / model / f".staging-{version}-{uuid.uuid4().hex[:8]}"  # Triton ignores non-numeric names
+        tmp.mkdir(parents=True)
+        renames.append((tmp, repo / model / str(version)))
+        fill(tmp)
+    return renames, {"version": version, "engine_dir": str(engine_dir),
+                     "build_id": _manifest(engine_dir).get("build_id"), "tokenizer": _tokenizer_hash(engine_dir)}
 
 
 def _versions(repo: Path) -> list[int]:
-    d = repo / "generator"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and not p.name.startswith("0")) \
-        if d.is_dir() else []
+    """Versions that all three versioned models have."""
+    return sorted(set.intersection(*(_model_versions(repo / m) for m in VERSIONED)))
+
+
+def _has_version(repo: Path, version: int, build_id: Optional[str]) -> bool:
+    """The repository serves `version` from build `build_id`: every model has it and every config is in place."""
+    configs = [repo / m / "config.pbtxt" for m in VERSIONED + ("ensemble",)]
+    if version not in _versions(repo) or not all(c.is_file() for c in configs):
+        return False
+    try:
+        have = json.loads((repo / "generator" / str(version) / "engine_source.json").read_text()).get("build_id")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(have) and have == build_id
 
 
 def _summary(repo: Path) -> dict:
     try:
-        return json.loads((repo / SUMMARY).read_text())
+        s = json.loads((repo / SUMMARY).read_text())
     except (OSError, ValueError):
         return {}
+    return s if isinstance(s, dict) else {}
 
 
-def _save_summary(repo: Path, summary: dict) -> None:
-    tmp = repo / f".{SUMMARY}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, repo / SUMMARY)
-
-
-def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_dir: Union[str, Path], *,
-                    target: Optional[str] = None, version_policy=None, max_batch_size: Optional[int] = None,
-                    preprocessing_instances: int = 1, generator_instances: Optional[int] = None,
-                    device: str = "cpu", tree: Optional[dict] = None, link: bool = False,
-                    overwrite: bool = False) -> dict:
-    """Write a complete repository holding the given engine versions. Defaults come from the newest engine's
-    recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
-
-    `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}).
-    An existing repository is refused unless overwrite=True (use add_version to add to one)."""
+def _prepare(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo: Path, *, target, version_policy,
+             max_batch_size, preprocessing_instances, generator_instances, device, tree) -> dict:
+    """Check the engines and build every config before anything is written."""
     engines = sorted((int(v), Path(p)) for v, p in engine_dirs)
     if not engines:
         raise UserError("emit needs at least one engine version")
@@ -383,13 +579,9 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
         if v <= 0:
             raise UserError(f"engine version numbers are positive integers (Triton's rule), got {v}")
         _engine_recipe(p)
-    repo = Path(repo_dir)
-    if repo.exists() and any(p.name in VERSIONED + ("ensemble",) for p in repo.iterdir()):
-        if not overwrite:
-            raise UserError(f"{repo} already holds a model repository; use add_version, or overwrite=True",
-                            file=str(repo))
-        for m in VERSIONED + ("ensemble",):
-            shutil.rmtree(repo / m, ignore_errors=True)
+    names = sorted({_engine_name(p) for _, p in engines})
+    if len(names) > 1:
+        raise UserError(f"the engine versions are of several engines ({', '.join(names)}); a repository serves one")
     recipe = _engine_recipe(engines[-1][1])
     rt = recipe.get("triton", {}) or {}
     target = target or recipe.get("target", "native")
@@ -398,13 +590,6 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
     policy = version_policy if version_policy is not None else rt.get("version_policy", "latest")
     mbs = int(max_batch_size or (recipe.get("limits", {}) or {}).get("max_batch_size", 8))
     gen_inst = int(generator_instances or rt.get("generator_instances", 1))
-
-    repo.mkdir(parents=True, exist_ok=True)
-    for m in VERSIONED + ("ensemble",):
-        (repo / m).mkdir(exist_ok=True)
-    (repo / "ensemble" / "1").mkdir(exist_ok=True)
-    written = [_write_version(repo, v, p, target, link) for v, p in engines]
-
     configs = {
         "preprocessing": preprocessing_config(mbs, policy, preprocessing_instances),
         "postprocessing": postprocessing_config(mbs, policy, target),
@@ -417,72 +602,134 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
         configs["generator"] = trtllm_generator_config(
             mbs, str((repo / "generator" / str(v) / "engine" / "trtllm" / "verifier").resolve()),
             tokenizer_dir=str((repo / "preprocessing" / str(v) / "tokenizer").resolve()))
-    for name, cfg in configs.items():
-        write_config(repo / name / "config.pbtxt", cfg)
-    summary = {"target": target, "version_policy": policy, "max_batch_size": mbs, "device": device,
-               "tree": tree, "versions": written, "models": sorted(configs)}
-    _save_summary(repo, summary)
+    return {"engines": engines, "name": names[0], "target": target, "policy": policy, "mbs": mbs,
+            "device": device, "tree": tree, "configs": configs}
+
+
+def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool) -> dict:
+    if any((repo / m / "config.pbtxt").is_file() for m in VERSIONED + ("ensemble",)):
+        if not overwrite:
+            raise UserError(f"{repo} already holds a model repository; use add_version, or overwrite=True",
+                            file=str(repo))
+        for m in VERSIONED + ("ensemble",):  # ours: the marker says so
+            shutil.rmtree(repo / m, ignore_errors=True)
+    for m in VERSIONED + ("ensemble",):
+        (repo / m).mkdir(exist_ok=True)
+    (repo / "ensemble" / "1").mkdir(exist_ok=True)
+    renames, written = [], []
+    for v, p in plan["engines"]:
+        r, w = _stage_version(repo, v, p, plan["target"], link)
+        renames += r
+        written.append(w)
+    for name, cfg in plan["configs"].items():
+        final = repo / name / "config.pbtxt"
+        renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
+    summary = {"target": plan["target"], "version_policy": plan["policy"], "max_batch_size": plan["mbs"],
+               "device": plan["device"], "tree": plan["tree"], "versions": written, "models": sorted(plan["configs"])}
+    renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
+    fault_point("emit")
+    _commit(repo, renames)
     return dict(summary, repo=str(repo))
 
 
-def add_version(repo_dir: Union[str, Path], version: int, engine_dir: Union[str, Path], *, link: bool = False) -> dict:
-    """Add one engine version to an emitted repository without touching what is being served (configs are
-    unchanged; the server picks the version up on its next load of the models, or poll)."""
+def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_dir: Union[str, Path], *,
+                    target: Optional[str] = None, version_policy=None, max_batch_size: Optional[int] = None,
+                    preprocessing_instances: int = 1, generator_instances: Optional[int] = None,
+                    device: str = "cpu", tree: Optional[dict] = None, link: bool = False,
+                    overwrite: bool = False) -> dict:
+    """Write a complete repository holding the given engine versions (of one engine). Defaults come from the
+    newest engine's recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
+
+    `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}).
+    The directory must be new, empty or a repository bpcompile emitted for the same engine name. An existing
+    repository is refused unless overwrite=True (use add_version to add to one)."""
     repo = Path(repo_dir)
-    summary = _summary(repo)
+    plan = _prepare(engine_dirs, repo, target=target, version_policy=version_policy, max_batch_size=max_batch_size,
+                    preprocessing_instances=preprocessing_instances, generator_instances=generator_instances,
+                    device=device, tree=tree)
+    with _locked(repo, plan["name"], [p for _, p in plan["engines"]]) as repaired:
+        return dict(_emit_locked(repo, plan, link, overwrite), repaired=repaired)
+
+
+def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool) -> dict:
     if not (repo / "generator" / "config.pbtxt").is_file():
         raise UserError(f"{repo} is not an emitted repository (no generator/config.pbtxt); run emit first",
                         file=str(repo))
-    recipe = _engine_recipe(Path(engine_dir))
+    summary = _summary(repo)
+    recipe = _engine_recipe(engine_dir)
     target = summary.get("target", "native")
     if recipe.get("target", "native") != target:
         raise UserError(f"engine {engine_dir} is for target {recipe.get('target')!r} but {repo} serves {target!r}",
                         key="target")
-    w = _write_version(repo, int(version), Path(engine_dir), target, link)
+    renames, w = _stage_version(repo, version, engine_dir, target, link)
     note = None
     old_tok = {v.get("tokenizer") for v in summary.get("versions", [])}
     if old_tok and w["tokenizer"] not in old_tok:
         note = ("this version has a different tokenizer: load preprocessing, generator and postprocessing together "
                 "(unload the ensemble first) so no request mixes tokenizers")
     if target == "tensorrt-llm":  # the C++ backend takes its engine from a parameter, not a version dir
-        cfg = read_config(repo / "generator" / "config.pbtxt")
+        final = repo / "generator" / "config.pbtxt"
+        cfg = read_config(final)
         cfg.parameters["gpt_model_path"].string_value = str(
             (repo / "generator" / str(version) / "engine" / "trtllm" / "verifier").resolve())
-        write_config(repo / "generator" / "config.pbtxt", cfg)
+        renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
     summary.setdefault("versions", []).append(w)
-    _save_summary(repo, summary)
+    renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
+    fault_point("emit")
+    _commit(repo, renames)
     return {"repo": str(repo), "added": w, "versions": _versions(repo), "note": note}
 
 
+def add_version(repo_dir: Union[str, Path], version: int, engine_dir: Union[str, Path], *, link: bool = False) -> dict:
+    """Add one engine version to an emitted repository without touching what is being served (configs are
+    unchanged; the server picks the version up on its next load of the models, or poll)."""
+    repo, engine_dir = Path(repo_dir), Path(engine_dir)
+    check_repository(repo, None)
+    with _locked(repo, _engine_name(engine_dir), [engine_dir]) as repaired:
+        return dict(_add_locked(repo, int(version), engine_dir, link), repaired=repaired)
+
+
 def set_version_policy(repo_dir: Union[str, Path], policy) -> dict:
-    """Point the served version(s) somewhere else (rollback = {'specific': [old]}); takes effect on reload."""
+    """Point the served version(s) somewhere else (rollback = {'specific': [old]}); takes effect on reload.
+    The three configs change together (one switch, like a new version)."""
     repo = Path(repo_dir)
     proto = version_policy_proto(policy)
-    have = set(_versions(repo))
-    if proto.HasField("specific") and not set(proto.specific.versions) <= have:
-        raise UserError(f"version_policy names versions {sorted(set(proto.specific.versions) - have)} that "
-                        f"{repo} does not have (it has {sorted(have)})", key="triton.version_policy")
-    for m in VERSIONED:
-        cfg = read_config(repo / m / "config.pbtxt")
-        if m == "generator" and cfg.backend == "tensorrtllm":
-            continue
-        cfg.version_policy.CopyFrom(proto)
-        write_config(repo / m / "config.pbtxt", cfg)
-    summary = _summary(repo)
-    summary["version_policy"] = policy
-    _save_summary(repo, summary)
-    return {"repo": str(repo), "version_policy": policy, "versions": sorted(have)}
+    with _locked(repo, None) as repaired:
+        if not (repo / "generator" / "config.pbtxt").is_file():
+            raise UserError("not an emitted repository (no generator/config.pbtxt)", file=str(repo))
+        have = set(_versions(repo))
+        if proto.HasField("specific") and not set(proto.specific.versions) <= have:
+            raise UserError(f"version_policy names versions {sorted(set(proto.specific.versions) - have)} that "
+                            f"{repo} does not have (it has {sorted(have)})", key="triton.version_policy")
+        renames = []
+        for m in VERSIONED:
+            final = repo / m / "config.pbtxt"
+            cfg = read_config(final)
+            if m == "generator" and cfg.backend == "tensorrtllm":
+                continue
+            cfg.version_policy.CopyFrom(proto)
+            renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
+        summary = _summary(repo)
+        summary["version_policy"] = policy
+        renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"),
+                        repo / SUMMARY))
+        _commit(repo, renames)
+    return {"repo": str(repo), "version_policy": policy, "versions": sorted(have), "repaired": repaired}
 
 
 def publish_version(repo_dir: Union[str, Path], engine_dir: Union[str, Path], version: int, recipe=None) -> dict:
-    """Called by `bpcompile build`: emit the repository if there is none, else add the version (a no-op if the
-    repository already has this version from the same build)."""
+    """Called by `bpcompile build`: emit the repository if there is none, else add the version. A no-op only if
+    the repository really serves this version of this build (every model has it), after repairing what an
+    interrupted emission left."""
     repo, engine_dir = Path(repo_dir), Path(engine_dir)
-    if not (repo / "generator" / "config.pbtxt").is_file():
-        return emit_repository([(version, engine_dir)], repo, overwrite=True)
-    if (repo / "generator" / str(version)).exists():
-        src = repo / "generator" / str(version) / "engine_source.json"
-        have = json.loads(src.read_text()).get("build_id") if src.is_file() else None
-        if have and have == _manifest(engine_dir).get("build_id"):
-            return {"repo": str(repo), "added": None, "versions": _versions(repo), "note": "already present"}
-    return add_version(repo, version, engine_dir)
+    name = _engine_name(engine_dir)
+    with _locked(repo, name, [engine_dir]) as repaired:
+        if not (repo / "generator" / "config.pbtxt").is_file():
+            plan = _prepare([(version, engine_dir)], repo, target=None, version_policy=None, max_batch_size=None,
+                            preprocessing_instances=1, generator_instances=None, device="cpu", tree=None)
+            out = _emit_locked(repo, plan, link=False, overwrite=True)
+        elif _has_version(repo, version, _manifest(engine_dir).get("build_id")):
+            out = {"repo": str(repo), "added": None, "versions": _versions(repo), "note": "already present"}
+        else:
+            out = _add_locked(repo, version, engine_dir, link=False)
+    return dict(out, repaired=repaired)
