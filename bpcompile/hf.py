@@ -11,7 +11,10 @@ would (the tests check that), and the caller holds one tensor at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import stat
 import struct
 from pathlib import Path
 from typing import Any, Optional
@@ -54,13 +57,35 @@ def _check_dir(d: str | Path) -> Path:
     return d
 
 
+# Bound on every size in config.json: sizes index int32 tensors and kernels; anything larger is a typo,
+# and num_hidden_layers is further checked against the tensors the checkpoint really holds.
+MAX_DIM = 2**31 - 1
+
+
 def _int(raw: dict, key: str, path: Path, default: Any = None) -> int:
     v = raw.get(key, default)
     if v is None:
         raise UserError(f"missing required key {key!r} (an integer)", file=str(path), key=key)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise UserError(f"{key!r} must be a positive integer, got {v!r}", file=str(path), key=key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_DIM:
+        raise UserError(f"{key!r} must be a positive integer (at most {MAX_DIM}), got {v!r}", file=str(path), key=key)
     return v
+
+
+def _bool(raw: dict, key: str, path: Path) -> bool:
+    """A JSON boolean (absent: false). The string "false" is truthy in Python, so it is refused, not guessed."""
+    v = raw.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise UserError(f"{key!r} must be true or false, got {v!r}", file=str(path), key=key)
+    return v
+
+
+def _float(v: Any, key: str, path: Path) -> float:
+    """A finite positive number (JSON int or float; not a string, bool or NaN)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise UserError(f"{key!r} must be a finite positive number, got {v!r}", file=str(path), key=key)
+    return float(v)
 
 
 def _rope(raw: dict, path: Path) -> tuple[float, Optional[dict]]:
@@ -72,12 +97,15 @@ def _rope(raw: dict, path: Path) -> tuple[float, Optional[dict]]:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params:
         params = next(iter(params.values())) if all(isinstance(v, dict) for v in params.values()) else params
-    scaling = dict(raw.get("rope_scaling") or {})
+    scaling = raw.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise UserError(f"rope_scaling must be an object or null, got {scaling!r}", file=str(path), key="rope_scaling")
+    scaling = dict(scaling)
     theta = raw.get("rope_theta")
     if isinstance(params, dict):
         scaling = {**{k: v for k, v in params.items() if k != "rope_theta"}, **scaling}
         theta = params.get("rope_theta", theta)
-    theta = float(theta if theta is not None else 10000.0)
+    theta = _float(theta if theta is not None else 10000.0, "rope_theta", path)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in SUPPORTED_ROPE:
         raise UserError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)",
@@ -88,6 +116,12 @@ def _rope(raw: dict, path: Path) -> tuple[float, Optional[dict]]:
     for k in need:
         if k not in scaling:
             raise UserError(f"rope scaling {kind!r} needs {k!r}", file=str(path), key=f"rope_scaling.{k}")
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if k in scaling:
+            _float(scaling[k], f"rope_scaling.{k}", path)
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) >= scaling.get("high_freq_factor", 4.0):
+        raise UserError("rope_scaling: low_freq_factor must be smaller than high_freq_factor (llama3 divides by "
+                        "their difference)", file=str(path), key="rope_scaling.low_freq_factor")
     # TRT-LLM reads `type` in some releases and `rope_type` in others; write both.
     out = {"type": kind, "rope_type": kind}
     out.update({k: v for k, v in scaling.items() if k not in ("type", "rope_type")})
@@ -108,7 +142,7 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         raise UserError("no config.json: expected a Hugging Face checkpoint directory", file=str(d))
     try:
         raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise UserError(f"not valid JSON: {e}", file=str(path)) from None
     if not isinstance(raw, dict):
         raise UserError("expected a JSON object", file=str(path))
@@ -138,6 +172,8 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     max_pos = _int(raw, "max_position_embeddings", path, default=2048)
     if arch == "MistralForCausalLM":
         sw = raw.get("sliding_window")
+        if sw is not None and (isinstance(sw, bool) or not isinstance(sw, int)):
+            raise UserError(f"sliding_window must be an integer or null, got {sw!r}", file=str(path), key="sliding_window")
         if sw is not None and sw < max_pos:
             raise UserError(f"sliding_window {sw} < max_position_embeddings {max_pos}: sliding-window attention "
                             "is not implemented by the native runtime", file=str(path), key="sliding_window")
@@ -145,9 +181,9 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         raise UserError("use_sliding_window: sliding-window attention is not implemented by the native runtime",
                         file=str(path), key="use_sliding_window")
     dtype = raw.get("dtype", raw.get("torch_dtype"))
-    if dtype is not None and dtype not in DTYPE_NAMES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
         dtype = None  # e.g. "auto" or an exotic type: decided from the tensors instead
-    attn_bias = bool(raw.get("attention_bias", False))
+    attn_bias = _bool(raw, "attention_bias", path)
     return {
         "architecture": arch,
         "vocab_size": _int(raw, "vocab_size", path),
@@ -158,16 +194,16 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         "num_key_value_heads": kv,
         "head_dim": head_dim,
         "hidden_act": act,
-        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "rms_norm_eps": _float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", path),
         "rope_theta": theta,
         "rope_scaling": scaling,
         "max_position_embeddings": max_pos,
         # LlamaConfig, MistralConfig and Qwen2Config all default to untied when the key is absent
-        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": _bool(raw, "tie_word_embeddings", path),
         # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four
         "qkv_bias": True if arch == "Qwen2ForCausalLM" else attn_bias,
         "o_bias": False if arch == "Qwen2ForCausalLM" else attn_bias,
-        "mlp_bias": bool(raw.get("mlp_bias", False)),
+        "mlp_bias": _bool(raw, "mlp_bias", path),
         "dtype": dtype,
         "raw": raw,
     }
@@ -177,53 +213,124 @@ def read_hf_config(hf_dir: str | Path) -> dict:
 # safetensors headers and tensor reads
 
 
+ST_MAX_HEADER = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
+
+
+def _no_duplicates(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {dup!r} appears twice")
+    return dict(pairs)
+
+
+def _uint(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64
+
+
 def read_header(path: str | Path) -> tuple[dict, int]:
-    """(header dict without __metadata__, offset where the data section starts). Reads only the header."""
+    """(header dict without __metadata__, offset where the data section starts). Reads only the header.
+
+    Validated as strictly as the safetensors library does (its `read_metadata` and `Metadata::validate`):
+    a JSON object of {name: {dtype, shape, data_offsets}}, known dtypes, non-negative integer shapes,
+    [begin, end] offsets that, sorted, tile the data section exactly from 0 to its last byte (no gap, no
+    overlap, nothing reversed), and end - begin == numel * itemsize for every tensor. Reads go straight to
+    those offsets, so a header that breaks any of these would otherwise publish garbage weights.
+    """
     path = Path(path)
-    size = path.stat().st_size
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UserError(f"cannot read: {e.strerror}", file=str(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError("not a regular file (a device, pipe or directory cannot be a safetensors file)",
+                        file=str(path))
+    size = st.st_size
+    bad = lambda why: UserError(f"not a valid safetensors file: {why}", file=str(path))  # noqa: E731
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise UserError("not a safetensors file (shorter than 8 bytes)", file=str(path))
+            raise bad("shorter than 8 bytes")
         (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 * 2**20):
-            raise UserError(f"not a safetensors file (header length {n} does not fit the file)", file=str(path))
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"not a safetensors file (header is not JSON: {e})", file=str(path)) from None
-    header.pop("__metadata__", None)
-    data_len = size - 8 - n
+        if n > ST_MAX_HEADER:
+            raise bad(f"header length {n} is over the {ST_MAX_HEADER}-byte limit")
+        if 8 + n > size:
+            raise bad(f"header length {n} does not fit the file ({size} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad(f"header is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad("__metadata__ must be an object of strings")
+    spans = []
     for name, info in header.items():
-        s, e = info["data_offsets"]
-        if info["dtype"] not in ST_DTYPES:
-            raise UserError(f"tensor {name!r} has unsupported dtype {info['dtype']}", file=str(path))
-        if e > data_len:
-            raise UserError(f"tensor {name!r} ends at byte {e} but the data section has {data_len} bytes "
-                            "(truncated file?)", file=str(path))
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise bad(f"tensor {name!r} needs dtype, shape and data_offsets")
+        dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        if dt not in ST_DTYPES:
+            raise UserError(f"tensor {name!r} has unsupported dtype {dt!r} (supported: {', '.join(ST_DTYPES)})",
+                            file=str(path))
+        if not isinstance(shape, list) or not all(_uint(s) for s in shape):
+            raise bad(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_uint(o) for o in offs)):
+            raise bad(f"tensor {name!r}: data_offsets must be [begin, end] non-negative integers, got {offs!r}")
+        spans.append((offs[0], offs[1], name, ST_ITEMSIZE[dt] * _numel(shape)))
+    data_len, pos = size - 8 - n, 0
+    for b, e, name, nbytes in sorted(spans):
+        if b != pos or e < b:
+            why = "overlaps the previous tensor" if b < pos else ("leaves a gap before it" if b > pos else "is reversed")
+            raise bad(f"tensor {name!r}: data_offsets [{b}, {e}] {why} (tensors must tile the data section)")
+        if e - b != nbytes:
+            raise bad(f"tensor {name!r}: data_offsets [{b}, {e}] hold {e - b} bytes, dtype and shape need {nbytes}")
+        pos = e
+    if pos != data_len:
+        raise bad(f"tensors cover {pos} bytes of a {data_len}-byte data section"
+                  + (" (truncated file?)" if pos > data_len else ""))
     return header, 8 + n
+
+
+def _regular(f: Path, where: Path) -> Path:
+    """f itself, if it is (or links to) a regular file: a link to /dev/zero or a FIFO would hang every read."""
+    if not f.is_file():
+        what = "is missing" if not os.path.lexists(f) else "is not a regular file"
+        raise UserError(f"{f.name} {what}", file=str(where))
+    return f
 
 
 def weight_files(hf_dir: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint (single file or sharded with an index). Refuses pickle."""
     d = _check_dir(hf_dir)
     index = d / "model.safetensors.index.json"
-    if index.is_file():
+    if os.path.lexists(index):
+        _regular(index, d)
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"invalid index (expected {{'weight_map': {{name: file}}}}): {e}", file=str(index)) from None
+        if not isinstance(wm, dict) or not wm:
+            raise UserError(f"'weight_map' must be a non-empty object {{tensor name: shard file}}, got "
+                            f"{type(wm).__name__}", file=str(index), key="weight_map")
+        for name, shard in wm.items():
+            # shards sit next to the index: a path elsewhere (../, /etc/...) is not part of this checkpoint
+            if not isinstance(shard, str) or not shard.endswith(".safetensors") or Path(shard).name != shard:
+                raise UserError(f"weight_map[{name!r}] must be a *.safetensors file name in this directory, "
+                                f"got {shard!r}", file=str(index), key="weight_map")
         files = [d / f for f in dict.fromkeys(wm.values())]
         for f in files:
             if not f.is_file():
-                raise UserError(f"shard {f.name} listed in the index is missing", file=str(index))
+                what = "missing" if not os.path.lexists(f) else "not a regular file"
+                raise UserError(f"shard {f.name} listed in the index is {what}", file=str(index))
         return files
     single = d / "model.safetensors"
-    if single.is_file():
-        return [single]
+    if os.path.lexists(single):
+        return [_regular(single, d)]
     found = sorted(d.glob("*.safetensors"))
     if found:
-        return found
+        return [_regular(f, d) for f in found]
     pickles = sorted(p.name for pat in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in d.glob(pat))
     if pickles:
         raise UserError(f"found {', '.join(pickles)} but no *.safetensors: {_PICKLE_HOWTO}", file=str(d))
@@ -329,6 +436,14 @@ def hf_weight_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
 
 def check_weights(hf_dir: str | Path, spec: dict, weights: dict) -> None:
     """UserError unless every expected tensor is present with the shape the config implies."""
+    # The layer count comes first and from the tensors themselves: a config claiming 10**8 layers must
+    # not make anything (this check included) enumerate them.
+    held = {int(m[1]) for n in weights if (m := re.match(r"^model\.layers\.(\d+)\.", n))}
+    L = spec["num_hidden_layers"]
+    if max(held, default=-1) + 1 != L:
+        raise UserError(f"num_hidden_layers is {L} but the checkpoint's tensors are for "
+                        f"{max(held, default=-1) + 1} layers", file=str(Path(hf_dir) / "config.json"),
+                        key="num_hidden_layers")
     for name, shape in hf_weight_shapes(spec).items():
         if name not in weights:
             hint = " (config says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
@@ -383,14 +498,32 @@ def summarize(hf_dir: str | Path) -> dict:
 # tokenizers
 
 
+def check_tokenizer(d: str | Path) -> None:
+    """UserError unless d/tokenizer.json is a regular file that the `tokenizers` library loads (serving
+    tokenizes with it; a JSON file of some other kind would otherwise fail only at serve time)."""
+    from tokenizers import Tokenizer
+
+    p = Path(d) / "tokenizer.json"
+    if not p.is_file():
+        what = "is not a regular file" if os.path.lexists(p) else "is missing (a fast tokenizer file is needed to serve)"
+        raise UserError(f"tokenizer.json {what}", file=str(d))
+    try:
+        Tokenizer.from_file(str(p))
+    except Exception as e:  # noqa: BLE001 - the library raises plain Exception subclasses for bad files
+        raise UserError(f"not a tokenizer the `tokenizers` library can load: {e}", file=str(p)) from None
+
+
 def _tokenizer_json(d: Path) -> Optional[dict]:
     p = d / "tokenizer.json"
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        t = json.loads(p.read_text())
+    except (ValueError, RecursionError) as e:
         raise UserError(f"not valid JSON: {e}", file=str(p)) from None
+    if not isinstance(t, dict) or not isinstance(t.get("model") or {}, dict):
+        raise UserError("not a tokenizer (expected a JSON object with a 'model' object)", file=str(p))
+    return t
 
 
 def _merges(model: dict) -> list[tuple[str, str]]:

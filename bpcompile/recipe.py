@@ -7,11 +7,12 @@ Paths in a recipe are relative to the recipe file's directory.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import UserError
 
@@ -36,9 +37,11 @@ class Parallel(_Strict):
 
 
 class Limits(_Strict):
-    max_batch_size: int = Field(8, ge=1)
+    # Upper bounds catch typos before anything is sized from them; load_recipe also checks that the
+    # KV pool these limits imply fits in memory.
+    max_batch_size: int = Field(8, ge=1, le=4096)
     max_input_len: int = Field(256, ge=1)
-    max_seq_len: int = Field(512, ge=2)
+    max_seq_len: int = Field(512, ge=2, le=2**20)
 
     @model_validator(mode="after")
     def _input_fits(self):
@@ -51,8 +54,7 @@ class KVCache(_Strict):
     format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
     outlier_fraction: float = Field(0.08, ge=0.0, le=1.0, description="share of (layer, head, K|V) units kept in FP8")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
-    page_size: int = Field(16, ge=1, description="tokens per KV page")
-    quantize_draft: bool = False
+    page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
 
 
 class Speculative(_Strict):
@@ -91,6 +93,21 @@ class Triton(_Strict):
     emit: bool = True
     version_policy: Union[Literal["latest", "all"], dict] = "latest"
     generator_instances: int = Field(1, ge=1)
+
+    @field_validator("version_policy")
+    @classmethod
+    def _policy_shape(cls, v):
+        # the shapes triton/emit.py writes into config.pbtxt: a bad one must fail here, not after publishing
+        if isinstance(v, dict):
+            kind, n = next(iter(v.items())) if len(v) == 1 else (None, None)
+            if isinstance(n, dict):  # the protobuf-shaped form, {latest: {num_versions: 2}}
+                n = n.get("num_versions" if kind == "latest" else "versions")
+            if not ((kind == "latest" and type(n) is int and n >= 1)
+                    or (kind == "specific" and isinstance(n, list) and n
+                        and all(type(x) is int and x >= 1 for x in n))):
+                raise ValueError("expected latest, all, {latest: N} with N >= 1, or {specific: [N, ...]} "
+                                 "of positive versions")
+        return v
 
 
 class Kernels(_Strict):
@@ -152,8 +169,8 @@ def _line_index(text: str) -> dict[tuple, int]:
                 walk(v, path + (i,))
 
     try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
+        root = yaml.compose(text, Loader=_NoAliasLoader)
+    except (yaml.YAMLError, RecursionError):
         return lines
     if root is not None:
         lines[()] = root.start_mark.line + 1
@@ -185,14 +202,38 @@ def _key(loc) -> str:
     return ".".join(str(p) for p in loc)
 
 
+MAX_RECIPE_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*name` references let a few hundred bytes expand into gigabytes
+    ("billion laughs"); a recipe is short enough to write out in full."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"YAML aliases (*{ev.anchor}) are not allowed in a "
+                                              "recipe; write the value out", ev.start_mark)
+        return super().compose_node(parent, index)
+
+
 def parse_recipe(path: str | Path) -> tuple[Recipe, dict[tuple, int]]:
     """Read and validate the YAML (types only; no filesystem checks). Raises UserError listing every problem."""
     path = Path(path)
     if not path.is_file():
-        raise UserError("recipe file not found", file=str(path))
-    text = path.read_text()
+        raise UserError("recipe file not found" if not path.exists() else "recipe is not a regular file",
+                        file=str(path))
+    with open(path, "rb") as f:
+        raw = f.read(MAX_RECIPE_BYTES + 1)
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise UserError(f"recipe is larger than {MAX_RECIPE_BYTES} bytes", file=str(path))
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+        data = yaml.load(text, Loader=_NoAliasLoader)
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text: {e}", file=str(path)) from None
+    except RecursionError:
+        raise UserError("not valid YAML: nested too deeply", file=str(path)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         raise UserError(f"not valid YAML: {getattr(e, 'problem', e)}", file=str(path),
@@ -253,15 +294,28 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         problem(("calibration", "source"), f"calibration text file not found: {loaded.calibration_file}")
 
     from . import hf
+    from .build import INPUT_GLOBS
 
     configs = {}
+    tokenizers_ok = True
     for role in ("verifier", "draft"):
         d = getattr(loaded, f"{role}_dir")
         try:
             configs[role] = hf.read_hf_config(d)
-            hf.weight_files(d)  # safetensors present (pickle refused)
+            # every header validated and every tensor the config implies present: headers only, instant
+            hf.check_weights(d, configs[role], hf.list_weights(d))
         except UserError as e:
             problem(("models", role, "path"), str(e))
+            continue
+        try:
+            hf.check_tokenizer(d)
+        except UserError as e:
+            problem(("models", role, "path"), str(e))
+            tokenizers_ok = False
+        # the build hashes these: a link to /dev/zero or a FIFO would hang it
+        for f in sorted({f for pat in INPUT_GLOBS for f in d.glob(pat)}):
+            if not f.is_file():
+                problem(("models", role, "path"), f"{f}: not a regular file")
 
     if "verifier" in configs:
         cfg = configs["verifier"]
@@ -280,14 +334,21 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         gs = recipe.kv_cache.group_size
         if recipe.kv_cache.format == "int4-fp8-outlier" and hd % gs:
             problem(("kv_cache", "group_size"), f"group_size={gs} must divide the verifier's head size {hd}")
-        if "draft" in configs:
+        if "draft" in configs and tokenizers_ok:
             ok, why = hf.tokenizers_equal(loaded.verifier_dir, loaded.draft_dir)
             if not ok:
                 problem(("models", "draft", "path"),
                         f"the draft's tokenizer differs from the verifier's ({why}); speculation needs the same vocabulary")
-        maxpos = cfg.get("max_position_embeddings")
-        if maxpos and recipe.limits.max_seq_len > maxpos * ((cfg.get("rope_scaling") or {}).get("factor", 1)):
-            problem(("limits", "max_seq_len"), f"{recipe.limits.max_seq_len} exceeds the verifier's context ({maxpos})")
+        ctx = context_length(cfg)
+        if recipe.limits.max_seq_len > ctx:
+            problem(("limits", "max_seq_len"), f"{recipe.limits.max_seq_len} exceeds the verifier's context ({ctx})")
+        if recipe.target == "native":
+            need, have = kv_pool_bytes(recipe, cfg, configs.get("draft")), physical_memory()
+            if have and need > have:
+                problem(("limits", "max_batch_size"),
+                        f"the native runtime's KV cache for max_batch_size={recipe.limits.max_batch_size} x "
+                        f"max_seq_len={recipe.limits.max_seq_len} would take {need / 1e9:.1f} GB, more than this "
+                        f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len")
 
     if problems:
         problems.sort(key=lambda p: p[0] or 0)
@@ -296,6 +357,45 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         err.file, err.line = str(path), problems[0][0]
         raise err
     return loaded
+
+
+def context_length(cfg: dict) -> int:
+    """Tokens a model (read_hf_config's form) can attend over. Linear RoPE scaling stretches the trained
+    max_position_embeddings by its factor; llama3 scaling configs already state the extended context in
+    max_position_embeddings (original_max_position_embeddings is the pre-extension one), as transformers reads them."""
+    sc = cfg.get("rope_scaling") or {}
+    if sc.get("rope_type") == "linear":
+        return int(cfg["max_position_embeddings"] * sc["factor"])
+    return cfg["max_position_embeddings"]
+
+
+def kv_pool_bytes(recipe: Recipe, verifier: dict, draft: Optional[dict]) -> int:
+    """Bytes of the KV caches the native runtime allocates up front for these limits (bpcompile.runtime.Generator:
+    max_batch_size sequences of max_seq_len + one step's tree, in pages; float caches in float32)."""
+    lim, kv, spec = recipe.limits, recipe.kv_cache, recipe.speculative
+    drafts = {"none": 0, "chain": spec.length, "static": len(spec.choices or []), "dynamic": spec.nodes}[spec.tree]
+    pages = lim.max_batch_size * -(-(lim.max_seq_len + drafts + 1) // kv.page_size) + 1
+    tokens = pages * kv.page_size
+
+    def per_token(cfg: dict, fmt: str) -> float:
+        L, H, D = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+        units = 2 * L * H  # (layer, KV head, K|V)
+        if fmt == "float32":
+            return units * D * 4
+        scales = units * 2 * (D // min(kv.group_size, D))  # one fp16 scale per group
+        wide = {"fp8": units, "int8": units, "int4-fp8-outlier": -(-units * kv.outlier_fraction // 1)}[fmt]
+        return scales + wide * D + (units - wide) * D / 2
+
+    v = per_token(verifier, "float32" if kv.format == "fp16" else kv.format)
+    d = per_token(draft, "float32") if draft is not None and spec.tree != "none" else 0
+    return int(tokens * (v + d))
+
+
+def physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def recipe_json_schema() -> str:

@@ -20,6 +20,7 @@ draft: d_len + node - 1), so after acceptance the accepted path is moved to cons
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -177,8 +178,21 @@ def kernels_for(store: KVStore, device: torch.device):
 
     if isinstance(store, QuantKVStore) and (mode == "triton" or device.type == "cuda"):
         from . import kernels
-        return kernels
+        if _kernels_take(store.head_size, store.G):
+            return kernels
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_take(head_size: int, group_size: int) -> bool:
+    """Whether the kernels handle this cache shape; warns once per shape when they don't (the PyTorch path runs)."""
+    from .kernels import check_shape
+
+    why = check_shape(head_size, group_size)
+    if why is not None:
+        print(f"bpcompile: warning: Triton kernels cannot take this KV cache ({why}); using the PyTorch path",
+              file=sys.stderr)
+    return why is None
 
 
 def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -247,9 +261,10 @@ class Generator:
     def __init__(self, verifier: Llama, draft: Optional[Llama], tree: Optional[TreeSpec], *, max_batch_size: int = 8,
                  max_seq_len: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
                  kv_store_factory: Optional[KVStoreFactory] = None, device: str = "cpu",
-                 draft_kv_store_factory: Optional[KVStoreFactory] = None):
+                 draft_kv_store_factory: Optional[KVStoreFactory] = None, max_input_len: Optional[int] = None):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
-        plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype."""
+        plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
+        max_input_len: longest prompt accepted (default max_seq_len - 1)."""
         self.device = torch.device(device)
         self.tree = tree or TreeSpec("none")
         if self.tree.kind != "none" and draft is None:
@@ -261,6 +276,7 @@ class Generator:
         self.verifier = verifier.to(self.device)
         self.draft = draft.to(self.device) if (draft is not None and self.tree.kind != "none") else None
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
+        self.max_input_len = max_input_len or max_seq_len - 1
         self.g_max = self.tree.draft_tokens + 1
         per_seq = -(-(max_seq_len + self.g_max) // page_size)
         self.num_pages = num_pages or max_batch_size * per_seq + 1
@@ -308,10 +324,14 @@ class Generator:
         draft = Llama.from_checkpoint(d / "draft") if tree.kind != "none" else None
         return cls(verifier, draft, tree, max_batch_size=int(limits.get("max_batch_size", 8)),
                    max_seq_len=int(limits.get("max_seq_len", 512)), page_size=int(kv.get("page_size", 16)),
-                   kv_store_factory=kv_store_factory, device=device, draft_kv_store_factory=draft_kv_store_factory)
+                   kv_store_factory=kv_store_factory, device=device, draft_kv_store_factory=draft_kv_store_factory,
+                   max_input_len=int(limits["max_input_len"]) if limits.get("max_input_len") else None)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None) -> str:
         p, V = params, self.verifier.cfg.vocab_size
+        if len(prompt_ids) > self.max_input_len:
+            raise UserError(f"prompt has {len(prompt_ids)} tokens, more than limits.max_input_len "
+                            f"({self.max_input_len})", key="max_input_len")
         if not prompt_ids or not all(isinstance(t, int) and 0 <= t < V for t in prompt_ids):
             raise UserError(f"prompt must be a non-empty list of token ids in [0, {V})")
         if p.max_tokens < 1:
