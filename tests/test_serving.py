@@ -67,6 +67,21 @@ def reference(engines, tokenizer):
     return {p: toks for p, (toks, _) in zip(PROMPTS, out)}
 
 
+def test_prompt_size_is_checked_before_tokenizing(engines):
+    """The byte bound (limits.max_input_len times the longest vocabulary entry) refuses no prompt that fits:
+    max_input_len of the longest tokens pass; one byte over the bound is refused on its size alone."""
+    from bpcompile.triton.protocol import BadRequest, TextInterface
+
+    t = TextInterface(engines[1] / "tokenizer", 384)
+    vocab = t.tokenizer.get_vocab()
+    longest = max((w for w in vocab if t.decode([vocab[w]]).strip()), key=lambda w: len(w.encode()))
+    text = t.tokenizer.decode([vocab[longest]] * 383).encode()  # + the BOS the tokenizer adds
+    assert len(text) <= t.max_bytes and len(t.prompt(np.array([text], dtype=object))) <= 384
+    assert t.prompt(np.array([b"a" * t.max_bytes], dtype=object))
+    with pytest.raises(BadRequest, match=f"text_input is {t.max_bytes + 1} bytes"):
+        t.prompt(np.array([b"a" * (t.max_bytes + 1)], dtype=object))
+
+
 def test_http_generate_matches_runtime(server, reference, tokenizer):
     for p in PROMPTS[:3]:
         r = generate_remote(server.http_url, p, MAX_TOKENS, stream=False, protocol="http")
@@ -157,10 +172,22 @@ def test_malformed_requests_get_clear_errors(server):
                           "not valid UTF-8"),
         "bad_words": ([text(b"hi"), ("bad_words", np.array([[b"foo"]], dtype=object), "BYTES")], "bad_words"),
         "top_p 0": ([text(b"hi"), ("top_p", np.array([[0.0]], dtype=np.float32), "FP32")], "top_p"),
+        "top_p nan": ([text(b"hi"), ("top_p", np.array([[np.nan]], dtype=np.float32), "FP32")], "top_p must be in (0, 1]"),
+        **{f"temperature {v}": ([text(b"hi"), ("temperature", np.array([[v]], dtype=np.float32), "FP32")],
+                                "temperature must be a finite number >= 0") for v in (np.nan, np.inf, -1.0)},
+        "stop_words not UTF-8": ([text(b"hi"), ("stop_words", np.array([[b"ok", b"\xff\xfeend"]], dtype=object), "BYTES")],
+                                 "stop_words is not valid UTF-8"),
+        "10 MB prompt": ([text(b"word " * (2 << 20)), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
+                         "text_input is 10485760 bytes, more than this engine can take"),
     }
-    for what, (inputs, expect) in cases.items():
-        err = _grpc_raw(server, inputs)
-        assert err is not None and expect in err, (what, err)
+    for model in ("ensemble", "generator"):  # the generator takes the ensemble's requests too
+        for what, (inputs, expect) in cases.items():
+            t0 = time.monotonic()
+            err = _grpc_raw(server, inputs, model)
+            assert err is not None and expect in err, (model, what, err)
+            # refused without reading it whole: no tokenizing; and no server path or traceback in what clients see
+            assert time.monotonic() - t0 < 10, (model, what)
+            assert str(server.repo.parent) not in err and "Traceback" not in err and ".py" not in err, err
     with pytest.raises(RemoteError, match="max_tokens must be > 0"):
         generate_remote(server.http_url, "hi", 0, stream=False, protocol="http")
     assert server.healthy()
@@ -197,6 +224,19 @@ def test_cancellation_stops_generation(server):
     assert server.healthy() and generate_remote(server.grpc_url, PROMPTS[1], 4)["tokens"] == 4
 
 
+def test_generator_takes_the_ensemble_request(server, reference, tokenizer):
+    """The ensemble's request sent to the generator itself (what streaming clients should do: there, their
+    cancellation and disconnects reach the generation loop): same inputs, same outputs, same tokens and text."""
+    for p in PROMPTS[:3]:
+        for stream in (True, False):
+            r = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=stream, model="generator")
+            assert r["token_ids"] == reference[p] and r["text"] == tokenizer.decode(reference[p]), (p, stream)
+            assert r["out_of_order"] == 0 and r["engine_version"] == 1 and r["finish_reason"] in ("length", "stop")
+            assert (r["responses"] > 1) == stream and r["total_draft_tokens"] > 0
+    h = generate_remote(server.http_url, PROMPTS[2], MAX_TOKENS, stream=True, protocol="http", model="generator")
+    assert h["token_ids"] == reference[PROMPTS[2]] and h["text"] == tokenizer.decode(reference[PROMPTS[2]])
+
+
 def test_bench_remote_reports(server):
     r = bench_remote(server.grpc_url, PROMPTS[:4], n=4, concurrency=2, max_tokens=8, warmup=0)
     assert r["requests"] == 4 and r["errors"] == 0 and r["output_tokens"] == 32
@@ -207,14 +247,14 @@ def test_bench_remote_reports(server):
 
 def test_new_version_is_picked_up_old_answers_until_unloaded(server, engines, reference):
     """Runs last: it changes what the module's server serves."""
-    url, p = server.http_url, PROMPTS[0]
+    url, p, tok = server.http_url, PROMPTS[0], server.repository_token
     add_version(server.repo, 2, engines[2])
     assert generate_remote(server.grpc_url, p, 4)["engine_version"] == 1  # publishing disturbs nothing
 
     inflight, during = {}, []
     t = threading.Thread(target=lambda: inflight.update(generate_remote(server.grpc_url, p, 200, stream=True)))
     t.start()
-    loader = threading.Thread(target=lambda: load_version(url))
+    loader = threading.Thread(target=lambda: load_version(url, token=tok))
     loader.start()  # policy 'latest': version 2 loads while version 1 serves; then version 1 unloads
     while loader.is_alive():
         during.append(generate_remote(server.grpc_url, p, 4)["engine_version"])
@@ -224,15 +264,15 @@ def test_new_version_is_picked_up_old_answers_until_unloaded(server, engines, re
     assert during and during[0] == 1 and set(during) <= {1, 2}  # the old version answered while v2 loaded
     assert new["engine_version"] == 2 and new["token_ids"] == reference[p]  # same weights in both versions
     assert inflight["engine_version"] == 1 and inflight["finish_reason"] in ("length", "stop")
-    idx = {(m["name"], m["version"]): m["state"] for m in repository_index(url)}
+    idx = {(m["name"], m["version"]): m["state"] for m in repository_index(url, token=tok)}
     assert idx[("generator", "2")] == "READY" and idx.get(("generator", "1")) != "READY"
 
     set_version_policy(server.repo, {"specific": [1]})  # rollback
-    load_version(url)
+    load_version(url, token=tok)
     assert generate_remote(server.grpc_url, p, 4)["engine_version"] == 1
 
-    unload_model(url, "ensemble")
+    unload_model(url, "ensemble", token=tok)
     with pytest.raises(RemoteError):
         generate_remote(server.grpc_url, p, 4)
-    load_model(url, "ensemble")
+    load_model(url, "ensemble", token=tok)
     assert generate_remote(server.grpc_url, p, 4)["tokens"] == 4

@@ -22,8 +22,9 @@ and visible to clients through RESPONSE_INDEX.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -79,13 +80,12 @@ def unpack_words(arr) -> list[list[int]]:
     return [w for w in words if w]
 
 
-def parse_words(values) -> list[str]:
+def parse_words(values, what: str = "stop_words") -> list[str]:
     """stop_words / bad_words as a client sends them: a STRING tensor of words, or of comma-separated lists
     (what tensorrtllm_backend's clients send, e.g. ["foo,bar"]). Empty strings mean none."""
     out = []
     for v in np.asarray(values, dtype=object).reshape(-1):
-        s = v.decode("utf-8") if isinstance(v, bytes) else str(v)
-        out.extend(w for w in s.split(",") if w)
+        out.extend(w for w in utf8(v, what).split(",") if w)
     return out
 
 
@@ -99,3 +99,112 @@ def eos_id(tokenizer_dir: Path, tokenizer) -> Optional[int]:
     if isinstance(tok, dict):
         tok = tok.get("content")
     return tokenizer.token_to_id(tok) if tok else None
+
+
+# --- request checks shared by the preprocessing model and the generator's text interface ------------------
+
+DEFAULT_MAX_TOKENS = 64
+
+
+class BadRequest(ValueError):
+    """A request the server refuses; the message is what the client reads (it names the input, never a path)."""
+
+
+def utf8(value, what: str) -> str:
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def byte_size(values) -> int:
+    """Bytes of a STRING tensor's elements (what tokenizing it would have to read)."""
+    return sum(len(v) if isinstance(v, (bytes, str)) else len(str(v))
+               for v in np.asarray(values, dtype=object).reshape(-1))
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """NaN passes every comparison and inf turns sampling into noise: both are refused, like negatives."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise BadRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+
+
+def engine_limits(engine_dir: Path) -> dict:
+    """limits: of an engine version's recipe.yaml ({} when it cannot be read)."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load((Path(engine_dir) / "recipe.yaml").read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    limits = recipe.get("limits") if isinstance(recipe, dict) else None
+    return limits if isinstance(limits, dict) else {}
+
+
+class TextInterface:
+    """Text -> token ids with one engine version's tokenizer, and the checks every text request passes first.
+
+    Tokenizing is the expensive part of a request that has not been admitted yet (a 10 MB prompt takes tens of
+    seconds and holds the model instance meanwhile), so its size is checked on the raw bytes before: no prompt
+    of at most max_input_len tokens is longer than max_input_len times the longest token of the vocabulary
+    (counted in UTF-8 bytes of its vocabulary entry, which is never fewer than the text bytes it stands for in
+    a byte-level or metaspace vocabulary), and anything longer is refused without reading it."""
+
+    def __init__(self, tokenizer_dir: Path, max_input_len: int):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        self.eos = eos_id(tokenizer_dir, self.tokenizer)
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        self.max_input_len = int(max_input_len)
+        self.max_bytes = self.max_input_len * longest
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def _fits(self, values, what: str) -> None:
+        n = byte_size(values)
+        if n > self.max_bytes:
+            raise BadRequest(f"{what} is {n} bytes, more than this engine can take ({self.max_bytes} bytes: "
+                             f"limits.max_input_len is {self.max_input_len} tokens); send a shorter one")
+
+    def prompt(self, values) -> list[int]:
+        """The token ids of a text_input tensor (exactly one string)."""
+        if values is None:
+            raise BadRequest("text_input is missing: send the prompt as text_input")
+        values = np.asarray(values, dtype=object)
+        if values.size != 1:
+            raise BadRequest(f"text_input must hold exactly one string, got {values.size}")
+        self._fits(values, "text_input")
+        text = utf8(values.reshape(-1)[0], "text_input")
+        if not text.strip():
+            raise BadRequest("text_input is empty: give a prompt")
+        return self.tokenizer.encode(text).ids
+
+    def words(self, values, what: str) -> list[list[int]]:
+        """stop_words / bad_words (see parse_words) as token sequences."""
+        if values is None:
+            return []
+        self._fits(values, what)
+        return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in parse_words(values, what)]
+
+
+def scalar(get: Callable[[str], Optional[np.ndarray]], name: str, default=None, kind=None):
+    """One value of input `name` (get(name) -> array or None), converted by `kind`."""
+    a = get(name)
+    if a is None:
+        return default
+    a = np.asarray(a).reshape(-1)
+    if a.size != 1:
+        raise BadRequest(f"{name} must hold one value, got {a.size}")
+    try:
+        return kind(a[0]) if kind else a[0]
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(f"{name} must be a number, got {a[0]!r}") from None

@@ -7,11 +7,27 @@ generator/<version>/engine/ (a copy of engines/<name>/<version>/).
 In-flight batching: `execute` only validates a request and queues it; ONE background thread owns the
 runtime (which is single-threaded) and loops: take queued requests into the running batch
 (`add_request`), run one `step()` for everything running, route each StepOutput to its request's response
-sender. A request arriving mid-generation joins the batch at the next step. Cancellation: the loop polls
-each running request's `response_sender.is_cancelled()` and calls `cancel()`.
+sender. A request arriving mid-generation joins the batch at the next step.
 
-Each streamed response carries the response's tokens with a few tokens of left context (see
-bpcompile/triton/protocol.py), so the stateless postprocessing model decodes it correctly on its own.
+Two interfaces, told apart by their inputs:
+* token ids (input_ids, request_output_len, ...; tensorrtllm_backend's names): the ensemble's step. Each
+  streamed response carries the response's tokens with a few tokens of left context (see
+  bpcompile/triton/protocol.py), so the stateless postprocessing model decodes it correctly on its own.
+* text (text_input, max_tokens, stream, ...: the ensemble's own inputs, and its outputs text_output,
+  output_ids, ...): the same request a client sends the ensemble, tokenized and detokenized here.
+
+Cancellation: before every step the loop polls each request's `response_sender.is_cancelled()` and cancels
+the ones set (the runtime frees their KV pages), so a cancelled or disconnected client stops costing work
+within one step. tritonserver 2.51 sets that flag only on the request the client sent: when the client of an
+ensemble cancels or disconnects, the ensemble cancels the steps it schedules after that (postprocessing of
+later responses) but never a step already running, and the generator's step runs for the whole stream (seen:
+the sender's and the request's is_cancelled() stay False and every send succeeds until max_tokens). So streaming clients that may go away
+should send their request to this model (the text interface: same inputs, same outputs) rather than to the
+ensemble; their cancellation and disconnects then reach this loop.
+
+Metrics (tritonserver's /metrics, labelled with version and instance): bpcompile_generator_steps_total,
+bpcompile_generator_requests (in the batch or queued for it), bpcompile_generator_cancelled_total,
+bpcompile_generator_kv_pages_used. Each cancellation is also logged with the generator step it was seen at.
 """
 import json
 import queue
@@ -24,14 +40,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
 
-from bpcompile.triton.protocol import context_window, unpack_words
+from bpcompile.triton.drain import ModelDrain
+from bpcompile.triton.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, check_sampling, context_window,
+                                       delta_text, scalar, unpack_words)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _STOP = object()
-
-
-class BadRequest(Exception):
-    pass
 
 
 @dataclass
@@ -40,20 +54,42 @@ class _Job:
     prompt: list
     params: object
     stream: bool
+    text: bool = False   # the text interface: answer with text_output, output_ids, ...
     rid: str = ""
     out: list = field(default_factory=list)
     sent: int = 0        # tokens of `out` already sent
     index: int = 0       # RESPONSE_INDEX of the next response
+    steps: int = 0       # generator steps this request took part in
 
 
-def _scalar(request, name, default=None, kind=None):
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return default
-    a = t.as_numpy().reshape(-1)
-    if a.size != 1:
-        raise BadRequest(f"{name} must hold one value, got {a.size}")
-    return kind(a[0]) if kind else a[0]
+class _Metrics:
+    """This instance's counters and gauges on tritonserver's metrics endpoint; no-ops where metrics are off."""
+
+    SPEC = {"steps": ("bpcompile_generator_steps_total", "generation steps run (one batched draft+verify each)"),
+            "cancelled": ("bpcompile_generator_cancelled_total", "requests cancelled by their client"),
+            "requests": ("bpcompile_generator_requests", "requests in the generator's batch or queued for it"),
+            "kv_pages": ("bpcompile_generator_kv_pages_used", "verifier KV cache pages held by requests")}
+
+    def __init__(self, labels: dict):
+        self.families, self.metrics, self.last = [], {}, {}
+        try:
+            for key, (name, help_) in self.SPEC.items():
+                kind = pb_utils.MetricFamily.COUNTER if name.endswith("_total") else pb_utils.MetricFamily.GAUGE
+                fam = pb_utils.MetricFamily(name=name, description=help_, kind=kind)
+                self.families.append(fam)
+                self.metrics[key] = fam.Metric(labels=labels)
+        except Exception as e:  # tritonserver started with --allow-metrics=false
+            pb_utils.Logger.log_warn(f"generator: no metrics ({e})")
+            self.metrics = {}
+
+    def add(self, key: str, n: int = 1) -> None:
+        if n and key in self.metrics:
+            self.metrics[key].increment(n)
+
+    def set(self, key: str, value: int) -> None:
+        if key in self.metrics and self.last.get(key) != value:  # each update is a message to tritonserver
+            self.metrics[key].set(value)
+            self.last[key] = value
 
 
 class TritonPythonModel:
@@ -72,7 +108,11 @@ class TritonPythonModel:
         limits = (yaml.safe_load((engine_dir / "recipe.yaml").read_text()) or {}).get("limits", {})
         self.max_seq_len = int(getattr(self.gen, "max_seq_len", None) or limits.get("max_seq_len", 512))
         self.max_input_len = int(limits.get("max_input_len", self.max_seq_len - 1))
+        self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
         self.logger = pb_utils.Logger
+        self.metrics = _Metrics({"version": str(self.engine_version),
+                                 "instance": args.get("model_instance_name", "")})
+        self.steps = 0
         import torch
 
         self.logger.log_info(f"generator: engine version {self.engine_version} from {engine_dir}, tree "
@@ -82,44 +122,67 @@ class TritonPythonModel:
         self.running = {}
         self.thread = threading.Thread(target=self._loop, name="bpcompile-generator", daemon=True)
         self.thread.start()
+        # `bpcompile serve` drains before stopping tritonserver: new requests refused, running ones finish
+        self.drain = ModelDrain(self.thread, lambda: self.inbox.put(_STOP))
 
     # --- request intake (Triton's thread) ---------------------------------------------------------------
 
     def _parse(self, request):
         from bpcompile.runtime import SamplingParams
 
-        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
-        if ids_t is None:
-            raise BadRequest("input_ids is missing")
-        prompt = [int(i) for i in ids_t.as_numpy().reshape(-1)]
+        def get(name):
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        ids = get("input_ids")
+        text = ids is None
+        if text:  # the ensemble's interface (module doc); sizes are checked before tokenizing
+            prompt = self.text.prompt(get("text_input"))
+            max_tokens = scalar(get, "max_tokens", DEFAULT_MAX_TOKENS, int)
+            stop = self.text.words(get("stop_words"), "stop_words")
+            bad = self.text.words(get("bad_words"), "bad_words")
+            top_k, top_p = scalar(get, "top_k", 0, int), scalar(get, "top_p", 1.0, float)
+            stream = scalar(get, "stream", False, bool)
+            default_end = self.text.eos
+        else:
+            if ids.size > self.max_input_len:
+                raise BadRequest(f"the prompt has {ids.size} tokens; this engine takes at most "
+                                 f"{self.max_input_len} (limits.max_input_len)")
+            prompt = [int(i) for i in ids.reshape(-1)]
+            max_tokens = scalar(get, "request_output_len", DEFAULT_MAX_TOKENS, int)
+            stop, bad = self._word_list(get, "stop_words_list"), self._word_list(get, "bad_words_list")
+            top_k, top_p = scalar(get, "runtime_top_k", 0, int), scalar(get, "runtime_top_p", 1.0, float)
+            stream = scalar(get, "streaming", False, bool)
+            default_end = None
         if not prompt:
             raise BadRequest("the prompt has no tokens")
         if len(prompt) > self.max_input_len:
             raise BadRequest(f"the prompt has {len(prompt)} tokens; this engine takes at most "
                              f"{self.max_input_len} (limits.max_input_len)")
-        max_tokens = _scalar(request, "request_output_len", 64, int)
         room = self.max_seq_len - len(prompt)
         if max_tokens <= 0:
             raise BadRequest(f"max_tokens must be > 0 (got {max_tokens})")
         if max_tokens > room:
             raise BadRequest(f"max_tokens {max_tokens} is above this engine's limit: prompt ({len(prompt)} tokens)"
                              f" + max_tokens must be <= max_seq_len {self.max_seq_len}, so at most {room}")
-        bad = pb_utils.get_input_tensor_by_name(request, "bad_words_list")
-        if bad is not None and unpack_words(bad.as_numpy()):
+        if bad:
             raise BadRequest("bad_words is not supported by the native runtime (send it empty)")
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_words_list")
-        temperature = _scalar(request, "temperature", 0.0, float)
-        top_k = _scalar(request, "runtime_top_k", 0, int)
-        top_p = _scalar(request, "runtime_top_p", 1.0, float)
-        if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
-            raise BadRequest(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 "
-                             f"(got {temperature}, {top_k}, {top_p})")
-        seed = _scalar(request, "seed", None, int)
-        end_id = _scalar(request, "end_id", None, int)
+        temperature = scalar(get, "temperature", 0.0, float)
+        check_sampling(temperature, top_k, top_p)
+        seed = scalar(get, "seed", None, int)
+        end_id = scalar(get, "end_id", default_end, int)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
-                                stop_words=unpack_words(stop.as_numpy()) if stop is not None else [])
-        return _Job(None, prompt, params, bool(_scalar(request, "streaming", False, bool)))
+                                stop_words=stop)
+        return _Job(None, prompt, params, stream, text)
+
+    @staticmethod
+    def _word_list(get, name):
+        a = get(name)
+        try:
+            return [] if a is None else unpack_words(a)
+        except ValueError:
+            raise BadRequest(f"{name} must be a [2, N] word list (token ids, then end offsets)") from None
 
     def execute(self, requests):
         for request in requests:
@@ -130,8 +193,16 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
                 continue
+            except Exception:  # details (paths, code) go to the server log, not to the client
+                self.logger.log_error(f"generator: could not read a request: {traceback.format_exc()}")
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "the generator could not read the request (an internal error; the server log has the "
+                    "details)", pb_utils.TritonError.INTERNAL)), flags=FINAL)
+                continue
             job.sender = sender
-            self.inbox.put(job)
+            if not self.drain.submit(self.inbox.put, job):
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)), flags=FINAL)
         return None  # decoupled: responses go through the senders, from the loop thread
 
     # --- the loop (one thread owns the runtime) ---------------------------------------------------------
@@ -139,6 +210,7 @@ class TritonPythonModel:
     def _loop(self):
         stopping = False
         while True:
+            self._report()
             idle = not self.running
             if stopping and idle:
                 return
@@ -153,32 +225,38 @@ class TritonPythonModel:
                     item = self.inbox.get_nowait()
             except queue.Empty:
                 pass
+            # Before each step (see the module doc): a cancelled request does no further work and frees its pages.
             for rid, job in list(self.running.items()):
                 if job.sender.is_cancelled():
                     self.gen.cancel(rid)
                     del self.running[rid]
-                    self.logger.log_info(f"generator: cancelled request {rid} after {len(job.out)} tokens")
+                    self.metrics.add("cancelled")
+                    self.logger.log_info(f"generator: cancelled request {rid} after {len(job.out)} tokens "
+                                         f"({job.steps} steps; generator step {self.steps})")
                     self._close(job, pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
             if not self.running:
                 continue
             try:
                 outs = self.gen.step()
-            except Exception as e:  # a runtime failure fails the running requests, not the server
+            except Exception:  # a runtime failure fails the running requests, not the server
                 self.logger.log_error(f"generator step failed: {traceback.format_exc()}")
                 for rid, job in list(self.running.items()):
                     try:
                         self.gen.cancel(rid)
                     except Exception:
                         pass
-                    job.sender.send(pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"generation failed: {e}", pb_utils.TritonError.INTERNAL)),
-                        flags=FINAL)
+                    job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        "generation failed (an internal error; the server log has the details)",
+                        pb_utils.TritonError.INTERNAL)), flags=FINAL)
                 self.running.clear()
                 continue
+            self.steps += 1
+            self.metrics.add("steps")
             for o in outs:
                 job = self.running.get(o.request_id)
                 if job is None:
                     continue
+                job.steps += 1
                 job.out.extend(int(t) for t in o.new_tokens)
                 if o.finished:
                     del self.running[o.request_id]
@@ -186,6 +264,12 @@ class TritonPythonModel:
                     self._send(job, job.sent, o)
                 elif o.finished:
                     self._send(job, 0, o)
+
+    def _report(self):
+        self.metrics.set("requests", len(self.running))
+        kv = getattr(self.gen, "vkv", None)
+        if kv is not None:
+            self.metrics.set("kv_pages", kv.capacity - len(kv.free))
 
     def _admit(self, job):
         try:
@@ -207,10 +291,16 @@ class TritonPythonModel:
         def t(name, value, dtype):
             return pb_utils.Tensor(name, np.array([value], dtype=dtype))
 
-        resp = pb_utils.InferenceResponse(output_tensors=[
-            t("CONTEXT_IDS", ctx, np.int32), t("READ_OFFSET", [read], np.int32),
-            t("IS_FINAL", [o.finished], np.bool_), t("RESPONSE_INDEX", [job.index], np.int32),
-            t("FINISH_REASON", [(o.finish_reason or "") if o.finished else ""], np.object_),
+        reason = (o.finish_reason or "") if o.finished else ""
+        if job.text:  # what postprocessing makes of the token response below, with the ensemble's names
+            piece = delta_text(self.text.decode, ctx, read, o.finished)
+            outs = [t("text_output", [piece.encode("utf-8")], np.object_), t("output_ids", ctx[read:], np.int32),
+                    t("response_index", [job.index], np.int32), t("finish_reason", [reason], np.object_)]
+        else:
+            outs = [t("CONTEXT_IDS", ctx, np.int32), t("READ_OFFSET", [read], np.int32),
+                    t("IS_FINAL", [o.finished], np.bool_), t("RESPONSE_INDEX", [job.index], np.int32),
+                    t("FINISH_REASON", [reason], np.object_)]
+        resp = pb_utils.InferenceResponse(output_tensors=outs + [
             t("acceptance_rate", [accepted / drafted if drafted else 0.0], np.float32),
             t("total_accepted_draft_tokens", [accepted], np.int32),
             t("total_draft_tokens", [drafted], np.int32),
@@ -235,5 +325,6 @@ class TritonPythonModel:
 
     def finalize(self):
         # Unloading (a new version loaded, or an explicit unload): requests already running finish first.
+        self.drain.close()
         self.inbox.put(_STOP)
         self.thread.join(timeout=300)

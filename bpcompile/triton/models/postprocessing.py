@@ -9,6 +9,7 @@ tensorrt-llm target (parameter input_format = "trtllm"): decodes tensorrtllm's T
 the way tensorrtllm_backend's postprocessing does (exact for non-streamed requests; see docs/serving notes).
 """
 import json
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,9 @@ class TritonPythonModel:
         for r in requests:  # one instance, in arrival order: see emit.py on response ordering
             try:
                 out.append(one(r))
-            except Exception as e:
-                out.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"postprocessing failed: {e}", pb_utils.TritonError.INTERNAL)))
+            except Exception:  # details (paths, code) go to the server log, not to the client
+                pb_utils.Logger.log_error(f"postprocessing failed: {traceback.format_exc()}")
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "postprocessing failed (an internal error; the server log has the details)",
+                    pb_utils.TritonError.INTERNAL)))
         return out

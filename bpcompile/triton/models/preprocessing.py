@@ -3,20 +3,16 @@
 Copied by bpcompile.triton.emit into preprocessing/<version>/model.py, next to that version's tokenizer/.
 Tensor names follow tensorrtllm_backend's preprocessing (QUERY, REQUEST_OUTPUT_LEN, ... -> INPUT_ID, ...).
 Each request is answered on its own: a malformed one gets an error response, the others are unaffected.
+Oversized text is refused before it is tokenized (protocol.TextInterface).
 """
+import traceback
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from tokenizers import Tokenizer
 
-from bpcompile.triton.protocol import eos_id, pack_words, parse_words
-
-DEFAULT_MAX_TOKENS = 64
-
-
-class BadRequest(Exception):
-    pass
+from bpcompile.triton.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, engine_limits, pack_words,
+                                       scalar)
 
 
 def _optional(request, name):
@@ -26,45 +22,29 @@ def _optional(request, name):
 
 class TritonPythonModel:
     def initialize(self, args):
-        tok_dir = Path(args["model_repository"]) / args["model_version"] / "tokenizer"
-        self.tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-        self.eos = eos_id(tok_dir, self.tokenizer)
+        version = Path(args["model_repository"]) / args["model_version"]
+        # The engine version this one serves is the repository's generator/<version>/engine/ (emit.py's
+        # layout); its limits say how long a prompt can be, defaults as the generator reads them.
+        limits = engine_limits(Path(args["model_repository"]).parent / "generator" / args["model_version"] / "engine")
+        max_input_len = int(limits.get("max_input_len") or int(limits.get("max_seq_len") or 512) - 1)
+        self.text = TextInterface(version / "tokenizer", max_input_len)
 
     def _one(self, request):
-        q = _optional(request, "QUERY")
-        if q is None:
-            raise BadRequest("text_input is missing: send the prompt as text_input")
-        if q.size != 1:
-            raise BadRequest(f"text_input must hold exactly one string, got {q.size}")
-        raw = q.reshape(-1)[0]
-        if not isinstance(raw, bytes):
-            raw = str(raw).encode("utf-8")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise BadRequest(f"text_input is not valid UTF-8 ({e.reason} at byte {e.start})")
-        if not text.strip():
-            raise BadRequest("text_input is empty: give a prompt")
-        ids = self.tokenizer.encode(text).ids
-
-        n = _optional(request, "REQUEST_OUTPUT_LEN")
-        max_tokens = DEFAULT_MAX_TOKENS if n is None else int(n.reshape(-1)[0])
+        get = lambda name: _optional(request, name)  # noqa: E731
+        ids = self.text.prompt(get("QUERY"))
+        max_tokens = scalar(get, "REQUEST_OUTPUT_LEN", DEFAULT_MAX_TOKENS, int)
         if max_tokens <= 0:
             raise BadRequest(f"max_tokens must be > 0 (got {max_tokens})")
-
-        def words(name):
-            v = _optional(request, name)
-            ws = [] if v is None else parse_words(v)
-            return pack_words([self.tokenizer.encode(w, add_special_tokens=False).ids for w in ws])
-
-        end = _optional(request, "END_ID")
-        end_id = int(end.reshape(-1)[0]) if end is not None else (self.eos if self.eos is not None else -1)
+        stop = pack_words(self.text.words(get("STOP_WORDS_DICT"), "stop_words"))
+        bad = pack_words(self.text.words(get("BAD_WORDS_DICT"), "bad_words"))
+        eos = self.text.eos if self.text.eos is not None else -1
+        end_id = scalar(get, "END_ID", eos, int)
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
             pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(ids)]], dtype=np.int32)),
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", np.array([[max_tokens]], dtype=np.int32)),
-            pb_utils.Tensor("STOP_WORDS_IDS", words("STOP_WORDS_DICT")[None]),
-            pb_utils.Tensor("BAD_WORDS_IDS", words("BAD_WORDS_DICT")[None]),
+            pb_utils.Tensor("STOP_WORDS_IDS", stop[None]),
+            pb_utils.Tensor("BAD_WORDS_IDS", bad[None]),
             pb_utils.Tensor("OUT_END_ID", np.array([[end_id]], dtype=np.int32)),
         ])
 
@@ -76,4 +56,9 @@ class TritonPythonModel:
             except BadRequest as e:
                 out.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            except Exception:  # details (paths, code) go to the server log, not to the client
+                pb_utils.Logger.log_error(f"preprocessing failed: {traceback.format_exc()}")
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "preprocessing failed (an internal error; the server log has the details)",
+                    pb_utils.TritonError.INTERNAL)))
         return out
