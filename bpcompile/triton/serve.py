@@ -253,6 +253,13 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
 
     Returns the exit code for a supervisor: 0 when a signal asked for the stop and tritonserver exited
     cleanly; 1 when tritonserver died by itself (any code or signal) or did not stop cleanly."""
+    from . import emit
+
+    # A build killed mid-switch leaves some models on the new version and some on the old one until the next
+    # emission replays its journal: replay it here too, so a server never loads a half-switched repository.
+    if (Path(repo_dir) / emit.MARKER).is_file():
+        for line in emit.repair_repository(repo_dir):
+            log(f"repaired repository: {line}")
     s = ServerProcess(repo_dir, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
                       model_control=model_control, repository_token=repository_token, log_file=log_file)
     signals = []
