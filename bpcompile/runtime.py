@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -339,8 +340,9 @@ class Generator:
         if len(prompt_ids) + p.max_tokens > self.max_seq_len:
             raise UserError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_seq_len "
                             f"({self.max_seq_len})", key="max_tokens")
-        if p.temperature < 0 or p.top_k < 0 or not (0 < p.top_p <= 1):
-            raise UserError("temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
+        # `not (x >= 0)` rather than `x < 0`: NaN fails every comparison and would slip through.
+        if not (0 <= p.temperature < math.inf) or p.top_k < 0 or not (0 < p.top_p <= 1):
+            raise UserError("a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
         rid = request_id or uuid.uuid4().hex
         if rid in self.running or rid in self.waiting_ids:
             raise UserError(f"request id {rid!r} is already in use")

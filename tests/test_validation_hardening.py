@@ -411,3 +411,15 @@ def test_native_runtime_enforces_max_input_len(tmp_path, pair):
     assert not gen.has_work()
     (out, _), = gen.generate([list(range(1, 9))], p)  # exactly max_input_len is fine
     assert len(out) == 4
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_native_runtime_refuses_non_finite_temperature(tmp_path, pair, temperature):
+    from bpcompile.convert import convert_checkpoint
+    from bpcompile.runtime import Generator, SamplingParams
+    from bpcompile.speculative import TreeSpec
+
+    convert_checkpoint(pair[0], tmp_path / "eng" / "verifier")
+    gen = Generator.from_engine(tmp_path / "eng", tree=TreeSpec("none"))
+    with pytest.raises(UserError, match="finite temperature"):
+        gen.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=temperature))
