@@ -1,6 +1,6 @@
 """HF checkpoint -> TensorRT-LLM 1.2 checkpoint (`config.json` + `rank{N}.safetensors`), and back.
 
-Names and tensor-parallel splits follow TRT-LLM's Llama converter (reference §1.4, §1.5):
+Names and tensor-parallel splits follow TensorRT-LLM's own Llama checkpoint converter:
 
   transformer.vocab_embedding.weight          <- model.embed_tokens          replicated, first pp stage only
   transformer.layers.L.input_layernorm.weight <- input_layernorm             replicated

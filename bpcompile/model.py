@@ -43,7 +43,7 @@ class ModelConfig:
 
     @classmethod
     def from_trtllm(cls, cfg: dict) -> "ModelConfig":
-        """From a TensorRT-LLM checkpoint config.json (see reference §1.2)."""
+        """From a TensorRT-LLM checkpoint config.json (the `config.json` next to its rank{N}.safetensors files)."""
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],

@@ -1,6 +1,6 @@
 """Tree speculative decoding: draft trees, TensorRT-LLM's packed tree mask, lossless verification.
 
-Conventions (TensorRT-LLM's, reference §3.3):
+Conventions (TensorRT-LLM's, so its tree masks and ours have the same layout):
 - A step's tree has G nodes. Node 0 is the last committed token (the "true" token, depth 0, not yet in
   the verifier's KV cache); nodes 1..G-1 are draft tokens. Parents always have smaller indices than
   their children, so index order is a topological order. `TreeSpec.nodes/length/len(choices)` count

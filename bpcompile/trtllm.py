@@ -5,7 +5,7 @@ command lines, the engine layout); the stage itself refuses to run, with a clear
 TensorRT-LLM 1.2.x is absent. It never pretends to have built an engine.
 
 Pinned to TensorRT-LLM 1.2.x (or <= 1.3.0rc20): later releases removed `trtllm-build` and the
-TensorRT engine flow (reference §0).
+TensorRT engine flow.
 """
 from __future__ import annotations
 

@@ -267,7 +267,7 @@ def main():
         f"{ctx} cached tokens (median of 9, interleaved); the draft's time per step, the bookkeeping and tau "
         "are the tiny pair's measured values above. Speedup = tau x verify(1) / (draft + verify(G) + bookkeeping).",
         "- **memory-bound verifier** (a GPU at small batch: a forward of G <= a few hundred tokens costs about "
-        "one token's, reference/anchors.md §2.3; forward cost proportional to weight bytes): speedup = "
+        "one token's; forward cost proportional to weight bytes): speedup = "
         "tau / (1 + draft forwards per step x c), with c = draft/verifier weight bytes: the tiny pair's "
         f"c = {c_tiny:.3f}, and c = {c_70b:.3f} for a 1B draft of a 70B verifier (tau still the tiny pair's).", "",
         "| run | G | verify(G) ms (this CPU) | draft ms/step | draft forwards/step | tau | speedup, this CPU | "
@@ -300,7 +300,7 @@ def main():
            "- verify(G) is not free on this CPU: fp32 GEMM with G = 6 rows costs "
            f"{res[TREES[1][0]]['verify_s'] / res[TREES[1][0]]['steps'] / t_v1:.2f}x one row for the tiny verifier and "
            f"{tm[TREES[1][0]] / t1:.2f}x for the wide one (a GPU reads the weights once for G up to a few hundred "
-           "tokens, reference/anchors.md §2.3).",
+           "tokens).",
            "- The runtime's own work (bookkeeping column; tree building is inside the draft time) is small next "
            "to the forwards. Against transformers' assisted generation on the same pair (its defaults, row e, "
            "or a fixed 5-token chain like row b, row e'), the difference is per-forward framework overhead.",

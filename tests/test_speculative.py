@@ -40,7 +40,7 @@ def _brute_mask(parents):
 
 
 def test_packed_mask_documented_examples():
-    # reference §3.3: row 0 (the true token) is 1; row i sets bit j%32 of word j//32 for itself, its
+    # TensorRT-LLM's packed tree mask: row 0 (the true token) is 1; row i sets bit j%32 of word j//32 for itself, its
     # ancestors and node 0; bit 31 makes a negative int32.
     assert pack_tree_mask([-1]).tolist() == [[1]]
     # Medusa choices [[0], [1], [0, 0]] -> nodes 0 (true), 1 = [0], 2 = [1], 3 = [0, 0]

@@ -216,7 +216,7 @@ def postprocessing_config(max_batch_size: int, policy, target: str = "native") -
 def trtllm_generator_config(max_batch_size: int, engine_path: str, *, kv_cache_free_gpu_mem_fraction=0.9,
                             batch_scheduler_policy="guaranteed_no_evict", max_queue_delay_microseconds=0,
                             gpu_device_ids: str = "", tokenizer_dir: str = "") -> mc.ModelConfig:
-    """The generator as the C++ `tensorrtllm` backend (reference §4.2). Model versions do not apply to it: the
+    """The generator as the C++ `tensorrtllm` backend. Model versions do not apply to it: the
     engine is named by gpt_model_path, which add_version points at the newest version."""
     cfg = mc.ModelConfig(name="generator", backend="tensorrtllm", max_batch_size=max_batch_size)
     cfg.model_transaction_policy.decoupled = True  # needed for streaming

@@ -2,7 +2,7 @@
 
 The Python-backend models (`bpcompile/triton/models/*.py`) import this module; tests import it directly.
 
-Streaming text correctly through an ensemble (DESIGN.md "Serving"): the postprocessing model is stateless
+Streaming text correctly through an ensemble: the postprocessing model is stateless
 and a decoupled model's responses may be delivered to it in any order, so every response the generator
 sends carries what is needed to turn *its* tokens into *its* piece of text on its own:
 

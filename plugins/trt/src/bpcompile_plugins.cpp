@@ -390,7 +390,7 @@ Creator<PagedTreeAttentionPlugin> gAttentionCreator("BpPagedTreeAttention", kATT
 IPluginCreatorInterface* gCreators[] = {&gQuantizeCreator, &gAttentionCreator};
 
 // Registers the creators under "bpcompile" when the library is loaded (dlopen or LD_PRELOAD): nothing in
-// tritonserver's tensorrtllm backend would call an init function (reference §2.1).
+// tritonserver's tensorrtllm backend would call an init function.
 struct StaticRegistrar
 {
     StaticRegistrar()
