@@ -348,7 +348,8 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
                 problem(("limits", "max_batch_size"),
                         f"the native runtime's KV cache for max_batch_size={recipe.limits.max_batch_size} x "
                         f"max_seq_len={recipe.limits.max_seq_len} would take {need / 1e9:.1f} GB, more than this "
-                        f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len")
+                        f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len, or set "
+                        f"BPCOMPILE_KV_MEMORY_LIMIT to the serving machine's memory in bytes (0: no check)")
 
     if problems:
         problems.sort(key=lambda p: p[0] or 0)
@@ -392,6 +393,15 @@ def kv_pool_bytes(recipe: Recipe, verifier: dict, draft: Optional[dict]) -> int:
 
 
 def physical_memory() -> Optional[int]:
+    """The memory the native runtime's KV cache must fit in: this machine's RAM, unless
+    $BPCOMPILE_KV_MEMORY_LIMIT (bytes) names the serving machine's (a build box is often not the server);
+    0 turns the check off."""
+    env = os.environ.get("BPCOMPILE_KV_MEMORY_LIMIT")
+    if env is not None:
+        try:
+            return int(env)
+        except ValueError:
+            raise UserError(f"BPCOMPILE_KV_MEMORY_LIMIT must be a number of bytes, got {env!r}") from None
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

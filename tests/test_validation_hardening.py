@@ -423,3 +423,14 @@ def test_native_runtime_refuses_non_finite_temperature(tmp_path, pair, temperatu
     gen = Generator.from_engine(tmp_path / "eng", tree=TreeSpec("none"))
     with pytest.raises(UserError, match="finite temperature"):
         gen.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=temperature))
+
+
+def test_kv_memory_check_follows_the_serving_machine(tmp_path, pair, monkeypatch):
+    """The build box is often not the server: BPCOMPILE_KV_MEMORY_LIMIT names the server's memory."""
+    recipe = recipe_with(tmp_path, pair, "limits: {max_batch_size: 64, max_input_len: 64, max_seq_len: 256}")
+    assert run("validate", recipe)[0] == 0
+    monkeypatch.setenv("BPCOMPILE_KV_MEMORY_LIMIT", "1000")
+    code, out = run("validate", recipe)
+    assert code == 2 and "BPCOMPILE_KV_MEMORY_LIMIT" in out, out
+    monkeypatch.setenv("BPCOMPILE_KV_MEMORY_LIMIT", "0")
+    assert run("validate", recipe)[0] == 0
