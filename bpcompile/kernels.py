@@ -398,6 +398,8 @@ def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
         return
     if (why := check_shape(D, store.G)) is not None:
         raise ValueError(f"quantize_append: {why}")
+    if store.transformed:  # centering, channel scale and rotation are matmuls; the kernel quantizes the result
+        k, v = store.transform(layer, k, v)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     slots = slots.to(device=k.device, dtype=torch.int64).contiguous()
@@ -405,7 +407,7 @@ def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
     extra = {"enable_fp_fusion": False} if k.is_cuda else {}  # no FMA contraction in the exact arithmetic
     _launch(_quantize_append_kernel, (triton.cdiv(N, block_t), 2 * KVH),
             k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots, N, *_store_args(store),
-            store.unit_precision, store.unit_index, store.k_channel_scale, store.int4_clip, layer, KVH,
+            store.unit_precision, store.unit_index, store.kernel_k_channel_scale, store.int4_clip, layer, KVH,
             PAGE=store.page_size, D=D, GS=store.G, BLOCK_T=block_t, **extra)
 
 
@@ -447,6 +449,9 @@ def paged_attention(q: torch.Tensor, store, layer: int, block_tables: torch.Tens
         raise ValueError(f"tree_mask must be packed [B, G, ceil(G/32)] = {(B, G, W)}, got {tuple(tree_mask.shape)}")
     R = H // KVH
     dev = q.device
+    dtype = q.dtype
+    if store.transformed:  # attend in the stored (rotated) basis: q' = (q * c) @ H, out = out' @ H
+        q = store.kernel_query(layer, q).to(dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
     context_lens = context_lens.to(device=dev, dtype=torch.int32).contiguous()
@@ -479,13 +484,13 @@ def paged_attention(q: torch.Tensor, store, layer: int, block_tables: torch.Tens
     _launch(_paged_attention_kernel, (B * KVH, num_splits, m_blocks),
             q, q.stride(0), q.stride(1), q.stride(2), out, out.stride(0), out.stride(1), out.stride(2),
             part_acc, part_ml, nrows, *_store_args(store), store.unit_precision, store.unit_index,
-            store.k_channel_scale, block_tables, block_tables.stride(0), context_lens, tree_mask, num_tree, q_lens,
+            store.kernel_k_channel_scale, block_tables, block_tables.stride(0), context_lens, tree_mask, num_tree, q_lens,
             layer, KVH, G, W, _f32_bits(sm_scale), chunk, **meta)
     if split:
         block_r = 16 if q.is_cuda else min(_pow2(nrows), 64)
         _launch(_combine_splits_kernel, (triton.cdiv(nrows, block_r),), part_acc, part_ml, out,
                 out.stride(0), out.stride(1), out.stride(2), num_splits, nrows, G, H, D=D, BLOCK_R=block_r)
-    return out
+    return store.kernel_output(out).to(dtype) if store.transformed else out
 
 
 def move_slots(store, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -105,6 +105,23 @@ def fp16_scale(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(max=FP16_MAX).to(torch.float16)
 
 
+_HADAMARD: dict = {}
+
+
+def hadamard(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix H_n / sqrt(n) in float32 (n a power of two): symmetric and
+    its own inverse (H @ H = I), entries ±1/sqrt(n) (exact for n = 4^k, e.g. ±1/8 at n = 64)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
+    key = (n, str(device))
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD[key] = (h / n ** 0.5).float().to(device)
+    return _HADAMARD[key]
+
+
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     d = x.shape[-1]
     if d % group_size:
@@ -204,6 +221,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
 
 FORMATS = ("int4-fp8-outlier", "int4-naive", "fp8", "int8", "fp16")
 DEFAULT_GROUP_SIZE = 128
+ROTATIONS = ("none", "hadamard")
+PLAN_VERSION = 2  # 2: rotation + k_mean; a version-1 plan (neither) loads as rotation "none", no k_mean
 
 
 @dataclass
@@ -221,8 +240,22 @@ class KVPlan:
     int4_clip: Optional[torch.Tensor] = None  # [L, 2, KV] float32; None = ones
     outlier_fraction: float = 0.0
     calibration: dict = field(default_factory=dict)
+    # "hadamard": K and V of every unit are stored rotated by H = hadamard(D) (docs/KV_FORMAT.md §3)
+    rotation: str = "none"
+    k_mean: Optional[torch.Tensor] = None  # [L, KV, D] float32, subtracted from keys first; None = zeros
 
     def __post_init__(self):
+        if self.rotation not in ROTATIONS:
+            raise UserError(f"unknown KV rotation {self.rotation!r}; expected one of {', '.join(ROTATIONS)}",
+                            key="rotation")
+        if self.rotation == "hadamard" and self.head_size & (self.head_size - 1):
+            raise UserError(f"a Hadamard rotation needs a power-of-two head size, got {self.head_size}",
+                            key="rotation")
+        for name in ("k_channel_scale", "k_mean"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (self.num_layers, self.num_kv_heads, self.head_size):
+                raise UserError(f"{name} must be [{self.num_layers}, {self.num_kv_heads}, {self.head_size}], "
+                                f"got {list(t.shape)}", key=name)
         if self.format not in FORMATS:
             raise UserError(f"unknown KV cache format {self.format!r}; expected one of {', '.join(FORMATS)}",
                             key="kv_cache.format")
@@ -274,11 +307,12 @@ class KVPlan:
         return self.num_layers * self.num_kv_heads * 2 * 2 * self.head_size / self.bytes_per_token()
 
     def to_json(self) -> dict:
-        return {"format": self.format, "version": 1, "num_layers": self.num_layers,
+        return {"format": self.format, "version": PLAN_VERSION, "num_layers": self.num_layers,
                 "num_kv_heads": self.num_kv_heads, "head_size": self.head_size, "group_size": self.group_size,
                 "outlier_fraction": self.outlier_fraction, "precision": self.precision,
                 "has_k_channel_scale": self.k_channel_scale is not None,
-                "has_int4_clip": self.int4_clip is not None, "calibration": self.calibration}
+                "has_int4_clip": self.int4_clip is not None, "rotation": self.rotation,
+                "has_k_mean": self.k_mean is not None, "calibration": self.calibration}
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
@@ -289,6 +323,8 @@ class KVPlan:
             tensors["k_channel_scale"] = self.k_channel_scale.float().contiguous().cpu()
         if self.int4_clip is not None:
             tensors["int4_clip"] = self.int4_clip.float().contiguous().cpu()
+        if self.k_mean is not None:
+            tensors["k_mean"] = self.k_mean.float().contiguous().cpu()
         save_file(tensors, str(out / "scales.safetensors"))
 
     @classmethod
@@ -301,16 +337,22 @@ class KVPlan:
             raise UserError("KV plan not found (expected plan.json written by calibration)", file=str(f)) from None
         except json.JSONDecodeError as e:
             raise UserError(f"not valid JSON: {e}", file=str(f)) from None
+        version = j.get("version", 1)
+        if version not in (1, PLAN_VERSION):
+            raise UserError(f"KV plan version {version!r} is not one this bpcompile reads (1 or {PLAN_VERSION}); "
+                            "rebuild the engine", file=str(f), key="version")
         try:
             t = load_file(str(d / "scales.safetensors")) if (d / "scales.safetensors").exists() else {}
             plan = cls(j["format"], j["num_layers"], j["num_kv_heads"], j["head_size"], j["group_size"],
                        j["precision"], t.get("k_channel_scale"), t.get("int4_clip"),
-                       j.get("outlier_fraction", 0.0), j.get("calibration", {}))
+                       j.get("outlier_fraction", 0.0), j.get("calibration", {}),
+                       j.get("rotation", "none"), t.get("k_mean"))
         except KeyError as e:
             raise UserError("missing key in KV plan", file=str(f), key=str(e.args[0])) from None
-        if j.get("has_k_channel_scale") and plan.k_channel_scale is None:
-            raise UserError("plan says it has key channel scales but scales.safetensors lacks k_channel_scale",
-                            file=str(d / "scales.safetensors"), key="k_channel_scale")
+        for name in ("k_channel_scale", "k_mean"):
+            if j.get(f"has_{name}") and getattr(plan, name) is None:
+                raise UserError(f"plan says it has {name} but scales.safetensors lacks it",
+                                file=str(d / "scales.safetensors"), key=name)
         return plan
 
 
@@ -351,6 +393,12 @@ class QuantKVStore(KVStore):
         self.k_channel_scale = kcs.float().to(dev).contiguous()
         self.int4_clip = clip.float().to(dev).contiguous()
         self._has_kcs = plan.k_channel_scale is not None
+        self.rotation = plan.rotation
+        self.k_mean = plan.k_mean.float().to(dev).contiguous() if plan.k_mean is not None else None
+        self._H = hadamard(D, dev) if plan.rotation == "hadamard" else None
+        # what the kernels multiply dequantized keys by: with a transform the channel scale is folded into the
+        # query instead (kernel_query), and the kernels see ones
+        self.kernel_k_channel_scale = torch.ones_like(self.k_channel_scale) if self.transformed else self.k_channel_scale
         # (layer, kv) -> [(precision, head ids, pool indices)] so write/read do one gather per precision
         self._groups = {}
         for layer in range(L):
@@ -390,20 +438,54 @@ class QuantKVStore(KVStore):
                 out[:, heads] = dequantize_int8(self.qi8[pi, ii, oi], self.si8[pi, ii, oi], self.G)
         return out
 
-    def write(self, layer, slots, k, v):
-        p, o = self._split(slots)
+    @property
+    def transformed(self) -> bool:
+        """Whether keys are centered or anything is rotated before quantization (docs/KV_FORMAT.md §3 step 1)."""
+        return self._H is not None or self.k_mean is not None
+
+    def transform(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1 of §3 for k, v [N, KV, D]: k -> ((k - k_mean) / c) @ H, v -> v @ H, in float32 (without a
+        rotation H is the identity, without k_mean the mean is 0). The kernels quantize exactly these values."""
         k = k.float()
+        if self.k_mean is not None:
+            k = k - self.k_mean[layer]
         if self._has_kcs:
             k = k / self.k_channel_scale[layer]
+        v = v.float()
+        if self._H is not None:
+            k, v = k @ self._H, v @ self._H
+        return k, v
+
+    def kernel_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [..., H, D] as kernels that attend over the transformed K/V directly take it: (q * c) @ H, float32.
+        Then q'·k' = q·(k - k_mean) (H is orthonormal and symmetric), which differs from q·k by a constant per
+        query that softmax ignores; the attention output comes back rotated (kernel_output)."""
+        H, KV = q.shape[-2], self.num_kv_heads
+        q = q.float()
+        if self._has_kcs:
+            q = q * self.k_channel_scale[layer].repeat_interleave(H // KV, dim=0)
+        return q @ self._H if self._H is not None else q
+
+    def kernel_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output over the transformed V [..., D] -> the model's: out @ H (H is its own inverse)."""
+        return out.float() @ self._H if self._H is not None else out
+
+    def write(self, layer, slots, k, v):
+        p, o = self._split(slots)
+        k, v = self.transform(layer, k, v)
         self._quantize(k, layer, 0, p, o)
-        self._quantize(v.float(), layer, 1, p, o)
+        self._quantize(v, layer, 1, p, o)
 
     def read(self, layer, slots):
         p, o = self._split(slots)
-        k = self._dequantize(layer, 0, p, o)
+        k, v = self._dequantize(layer, 0, p, o), self._dequantize(layer, 1, p, o)
+        if self._H is not None:
+            k, v = k @ self._H, v @ self._H
         if self._has_kcs:
             k = k * self.k_channel_scale[layer]
-        return k.to(self.dtype), self._dequantize(layer, 1, p, o).to(self.dtype)
+        if self.k_mean is not None:
+            k = k + self.k_mean[layer]
+        return k.to(self.dtype), v.to(self.dtype)
 
     def move(self, src, dst):
         sp, so = self._split(src)
@@ -413,6 +495,7 @@ class QuantKVStore(KVStore):
 
     def nbytes(self) -> int:
         static = [self.unit_precision, self.unit_index, self.k_channel_scale, self.int4_clip]
+        static += [t for t in (self.k_mean, self._H) if t is not None]
         return sum(t.numel() * t.element_size() for t in self.pools() + static)
 
 
@@ -439,11 +522,17 @@ def kv_store_factory(plan: KVPlan):
 
 
 def fake_quantize(x: torch.Tensor, precision: str, group_size: int,
-                  channel_scale: Optional[torch.Tensor] = None, clip=1.0) -> torch.Tensor:
-    """Quantize then dequantize x [..., D] exactly as the store does (calibration and tests use it)."""
+                  channel_scale: Optional[torch.Tensor] = None, clip=1.0, mean: Optional[torch.Tensor] = None,
+                  rotate: bool = False) -> torch.Tensor:
+    """Quantize then dequantize x [..., D] exactly as the store does (calibration and tests use it):
+    x -> (x - mean) / channel_scale -> @ H (rotate) -> quantize -> dequantize -> @ H -> * channel_scale + mean."""
     x = x.float()
+    if mean is not None:
+        x = x - mean
     if channel_scale is not None:
         x = x / channel_scale
+    if rotate:
+        x = x @ hadamard(x.shape[-1], x.device)
     if precision == "int4":
         y = dequantize_int4(*quantize_int4(x, group_size, clip), group_size)
     elif precision == "fp8":
@@ -452,4 +541,8 @@ def fake_quantize(x: torch.Tensor, precision: str, group_size: int,
         y = dequantize_int8(*quantize_int8(x, group_size), group_size)
     else:
         raise ValueError(f"unknown precision {precision!r}")
-    return y * channel_scale if channel_scale is not None else y
+    if rotate:
+        y = y @ hadamard(y.shape[-1], y.device)
+    if channel_scale is not None:
+        y = y * channel_scale
+    return y + mean if mean is not None else y

@@ -33,7 +33,7 @@ def calibration_table(report: dict) -> str:
     for layer in report["layers"]:
         for u in layer["units"]:
             lines.append(f"| L{u['layer']}.{u['kind']}{u['head']} | {u['int4_error']:.5f} | {u['naive_int4_error']:.5f} | "
-                         f"{u['fp8_error']:.5f} | {u['key_scale_alpha']:g} | {u['clip']:g} | {u['precision']} |")
+                         f"{u['outlier_error']:.5f} | {u['key_scale_alpha']:g} | {u['clip']:g} | {u['precision']} |")
     return "\n".join(lines)
 
 

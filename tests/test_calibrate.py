@@ -62,7 +62,11 @@ def test_calibration_is_deterministic_and_picks_the_worst_units(model, tmp_path)
     fp8 = [u for u in units if u["precision"] == "fp8"]
     worst_int4 = min(u["int4_error"] for u in fp8)
     assert len(fp8) == 3 and all(u["int4_error"] <= worst_int4 for u in units if u["precision"] == "int4")
-    assert all(u["fp8_error"] < u["int4_error"] and u["int4_error"] <= u["naive_int4_error"] + 1e-12 for u in units)
+    assert report["rotation"] == "hadamard" and all(u["outlier_error"] < u["int4_error"] for u in units)
+    # without the rotation the search grid contains naive INT4 (no channel scale, no clip): it can only do better
+    _, plain = calibrate(model, s, dict(CFG, rotation="none"))
+    assert plain["rotation"] == "none" and all(u["int4_error"] <= u["naive_int4_error"] + 1e-12
+                                               for layer in plain["layers"] for u in layer["units"])
     assert [p[t][h] for p in plan.precision for t in "kv" for h in range(2)] == [u["precision"] for u in units]
     # another sample set is another measurement: the error table must change with the input
     other, _ = calibrate(model, samples(4, 32, 1), CFG)

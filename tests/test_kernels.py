@@ -19,11 +19,13 @@ L, KV, D = 2, 2, 64
 PRECISION = [{"k": ["int4", "fp8"], "v": ["fp8", "int4"]}, {"k": ["int8", "int4"], "v": ["int4", "int4"]}]
 
 
-def make_store(group_size: int, num_pages: int = 24, page_size: int = 16, seed: int = 0) -> QuantKVStore:
+def make_store(group_size: int, num_pages: int = 24, page_size: int = 16, seed: int = 0,
+               rotation: str = "none") -> QuantKVStore:
     g = torch.Generator().manual_seed(seed)
     plan = KVPlan("int4-fp8-outlier", L, KV, D, group_size, PRECISION,
                   k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
-                  int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7)
+                  int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7, rotation=rotation,
+                  k_mean=torch.randn(L, KV, D, generator=g) if rotation == "hadamard" else None)
     return QuantKVStore(plan, num_pages, page_size)
 
 
@@ -79,9 +81,10 @@ def setup_batch(st, ctxs, trees, G, H, dtype, seed=0):
 # quantize-and-append
 
 
-@pytest.mark.parametrize("group_size,dtype", [(64, torch.float32), (32, torch.float16), (16, torch.bfloat16)])
-def test_quantize_append_is_bit_exact(group_size, dtype):
-    ref, ker = make_store(group_size), make_store(group_size)
+@pytest.mark.parametrize("group_size,dtype,rotation", [(64, torch.float32, "none"), (32, torch.float16, "none"),
+                                                       (16, torch.bfloat16, "none"), (64, torch.float32, "hadamard")])
+def test_quantize_append_is_bit_exact(group_size, dtype, rotation):
+    ref, ker = make_store(group_size, rotation=rotation), make_store(group_size, rotation=rotation)
     g = torch.Generator().manual_seed(1)
     N = 37  # not a multiple of the kernel's token block, slots scattered over pages
     slots = torch.randperm(ref.num_pages * ref.page_size, generator=g)[:N]
@@ -148,13 +151,17 @@ CASES = {
     "chain40-fp16": dict(group_size=16, H=4, dtype=torch.float16, G=40, trees=[list(range(-1, 39)), [-1, 0, 1]],
                          ctxs=[50, 9], splits=3, block_n=32, tol=2e-2),
     # causal (tree_mask None), fewer real query rows than tree tokens in the second sequence
+    # the rotated format (keys centered, channel-scaled, K and V Hadamard-rotated): the kernel attends in the
+    # stored basis with a transformed query and rotates the output back
+    "rotated-tree-gqa2": dict(group_size=64, H=4, dtype=torch.float32, G=6, trees=[[-1, 0, 0, 1, 2, 1], [-1]],
+                              ctxs=[45, 17], splits=2, block_n=32, tol=1e-4, rotation="hadamard"),
     "causal-qlens": dict(group_size=64, H=4, dtype=torch.float32, G=5, trees=[[-1, 0, 1, 2, 3], [-1, 0, 1, 2]],
                          ctxs=[20, 33], splits=1, block_n=None, tol=1e-4, causal=True, q_lens=[5, 2]),
 }
 
 
 def run_case(c, perturb=None):
-    st = make_store(c["group_size"], num_pages=24)
+    st = make_store(c["group_size"], num_pages=24, rotation=c.get("rotation", "none"))
     q, bt, ctx, tm, nt = setup_batch(st, c["ctxs"], c["trees"], c["G"], c["H"], c["dtype"])
     scale = 1 / math.sqrt(D)
     kst, ktm = st, tm
