@@ -28,7 +28,8 @@ from .store import EngineStore, HashCache, Version, fault_point
 
 PKG_DIR = Path(__file__).resolve().parent
 REPO_DIR = PKG_DIR.parent
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")  # transformers 5 keeps the chat template in its own file
 INPUT_GLOBS = ("config.json", "*.safetensors", "model.safetensors.index.json") + TOKENIZER_FILES
 
 

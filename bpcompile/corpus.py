@@ -155,3 +155,22 @@ def heldout_prompts(tokenizer, n: int, prompt_tokens: int = 32, seed: int = 0) -
 def calibration_samples(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """n distinct sequences of exactly `length` ids (BOS first) from the train split."""
     return _windows(tokenizer, train_documents(), length, n, seed, "calibration_samples")
+
+
+def text_documents(path) -> list[str]:
+    """A user's evaluation text file, read as one document (windows may span its paragraphs)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError("expected a UTF-8 text file to evaluate on", file=str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=str(p)) from None
+    if not text.strip():
+        raise UserError("the text file is empty", file=str(p))
+    return [text]
+
+
+def text_windows(tokenizer, docs: list[str], length: int, n: int, seed: int = 0, what: str = "text") -> list[list[int]]:
+    """n distinct sequences of exactly `length` ids (BOS first when the tokenizer has one) from `docs`."""
+    return _windows(tokenizer, docs, length, n, seed, what)

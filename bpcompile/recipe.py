@@ -55,6 +55,10 @@ class KVCache(_Strict):
     outlier_fraction: float = Field(0.08, ge=0.0, le=1.0, description="share of (layer, head, K|V) units kept in FP8")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
+    rotation: Literal["auto", "hadamard", "none"] = Field(
+        "auto", description="store K and V Hadamard-rotated (keys centered and query-scaled first); auto: where "
+                            "the head size is a power of two")
+    outlier_precision: Literal["fp8", "int8"] = Field("fp8", description="precision of the outlier units")
 
 
 class Speculative(_Strict):
@@ -62,6 +66,7 @@ class Speculative(_Strict):
     nodes: int = Field(5, ge=1, le=256, description="dynamic tree: node budget per step")
     length: int = Field(5, ge=1, le=64, description="chain: draft tokens per step")
     choices: Optional[list[list[int]]] = Field(None, description="static tree in Medusa/EAGLE notation")
+    backoff: bool = Field(True, description="draft less, or not at all for a while, when speculation does not pay")
 
     @model_validator(mode="after")
     def _choices(self):

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 from .errors import UserError
 from .kvcache import FloatKVStore, KVStore
 from .model import Llama, ModelConfig, causal_attend
-from .speculative import (AcceptanceCalibration, AcceptRule, DraftTree, Sampling, TreeSpec, make_builder, pack_rows,
-                          parse_tree_spec, residual_rule, sample, unpack_tree_mask, verify_greedy, verify_sampling)
+from .speculative import (AcceptanceCalibration, AcceptRule, BackOff, DraftTree, Sampling, TreeSpec, make_builder,
+                          pack_rows, parse_tree_spec, residual_rule, sample, unpack_tree_mask, verify_greedy,
+                          verify_sampling)
 
 __all__ = ["SamplingParams", "TreeSpec", "RequestStats", "StepOutput", "Generator", "PagedKV", "AttnBatch",
            "paged_attention", "generate_cli", "IncrementalDetokenizer"]
@@ -82,13 +83,64 @@ class StepOutput:
 
 # ------------------------------------------------------------------------------------------ paging
 
-class PagedKV:
-    """Pages of one KVStore handed out to sequences. Page 0 is the null page (padding writes)."""
+class DenseKV:
+    """What the store returns for each sequence's logical entries, kept contiguous per sequence in the compute
+    dtype: k, v [L, rows + 1, KV, S, D]; the last row takes padding writes.
 
-    def __init__(self, store: KVStore):
+    The PyTorch attention path reads a sequence's keys as a slice of it instead of gathering (and dequantizing)
+    every page at every layer of every step; a write dequantizes only the entries just written (`store.read` of
+    their slots), so it holds exactly what the store holds. It is a host-side float copy of the cache: the
+    store keeps the bytes of record (what kernels read, what `nbytes` counts)."""
+
+    def __init__(self, store: KVStore, rows: int, length: int, dtype: torch.dtype, device):
+        self.shape = [store.num_layers, rows + 1, store.num_kv_heads, 0, store.head_size]
+        self.length, self.dtype, self.device = length, dtype, device
+        self.k = self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.null = rows
+        self.free = list(range(rows - 1, -1, -1))
+        # a FloatKVStore returns exactly what it was given, cast to its dtype: no need to read it back
+        self.plain = type(store) is FloatKVStore
+
+    def reserve(self, n: int) -> None:
+        """Room for logical entries [0, n) in every row; grows by doubling (memory follows the longest sequence
+        seen, not max_seq_len)."""
+        if n > self.k.shape[3]:
+            self.shape[3] = min(self.length, max(n, 2 * self.k.shape[3], 64))
+            k, v = self.k, self.v
+            self.k, self.v = (torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            self.k[:, :, :, :k.shape[3]] = k
+            self.v[:, :, :, :v.shape[3]] = v
+
+    def write(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, KV, D] at (row, logical index) pairs rows[N], idx[N]."""
+        self.k[layer, rows, :, idx] = k.to(self.k.dtype)
+        self.v[layer, rows, :, idx] = v.to(self.v.dtype)
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.k[:, rows, :, dst] = self.k[:, rows, :, src].clone()
+        self.v[:, rows, :, dst] = self.v[:, rows, :, src].clone()
+
+    def read(self, layer: int, rows: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [0, n) of each row -> k, v [B, KV, n, D] (a view for one row)."""
+        if len(rows) == 1:
+            return self.k[layer, rows[0]:rows[0] + 1, :, :n], self.v[layer, rows[0]:rows[0] + 1, :, :n]
+        r = torch.tensor(rows, device=self.k.device)
+        return self.k[layer, :, :, :n].index_select(0, r), self.v[layer, :, :, :n].index_select(0, r)
+
+
+class PagedKV:
+    """Pages of one KVStore handed out to sequences. Page 0 is the null page (padding writes).
+
+    `kern`: the Triton kernels module when they run for this store (resolved once), else None. `dense`: a
+    DenseKV the PyTorch path attends over (None: the reference `paged_attention` over `store.read`)."""
+
+    def __init__(self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None):
         self.store, self.ps = store, store.page_size
         self.free = list(range(store.num_pages - 1, 0, -1))  # pop() hands out low page ids first
         self.tables: dict[str, list[int]] = {}
+        self.kern = kernels_for(store, torch.device(device))
+        self.dense = dense if self.kern is None else None
+        self.rows: dict[str, int] = {}  # dense row per sequence
 
     @property
     def capacity(self) -> int:
@@ -101,6 +153,10 @@ class PagedKV:
             raise RuntimeError(f"KV cache out of pages ({len(self.free)} free, {need - len(table)} needed)")
         while len(table) < need:
             table.append(self.free.pop())
+        if self.dense is not None:
+            if rid not in self.rows:
+                self.rows[rid] = self.dense.free.pop()
+            self.dense.reserve(n_tokens)
 
     def truncate(self, rid: str, n_tokens: int) -> None:
         table = self.tables.get(rid, [])
@@ -111,6 +167,9 @@ class PagedKV:
     def release(self, rid: str) -> None:
         self.truncate(rid, 0)
         self.tables.pop(rid, None)
+        row = self.rows.pop(rid, None)
+        if row is not None:
+            self.dense.free.append(row)
 
     def slot(self, rid: str, i: int) -> int:
         return self.tables[rid][i // self.ps] * self.ps + i % self.ps
@@ -119,6 +178,21 @@ class PagedKV:
         width = max(1, max(len(self.tables[r]) for r in rids))
         return torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in rids],
                             dtype=torch.int32, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
+        view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N])."""
+        write_kv(self.store, layer, slots, k, v, self.kern)
+        if self.dense is not None:
+            d = self.store.dtype if self.dense.plain else None
+            self.dense.write(layer, *dense_at, *((k.to(d), v.to(d)) if d else self.store.read(layer, slots)))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, dense_at: Optional[tuple] = None) -> None:
+        """Copy stored entries src -> dst (flat slots) in every layer; dense_at = (rows, src index, dst index)."""
+        move_kv(self.store, src, dst, self.kern)
+        if self.dense is not None:
+            self.dense.move(*dense_at)
 
 
 # ---------------------------------------------------------------------------------------- attention
@@ -149,18 +223,24 @@ class AttnBatch:
             N = int((self.context_lens + self.tree_lens).max())
             n = torch.arange(N, device=self.context_lens.device)
             slots = self.block_tables.gather(1, (n // ps).expand(B, N)).long() * ps + n % ps
-            j = n - self.context_lens[:, None]  # [B, N] index into the tree region (< 0: context)
-            if self.tree_mask is None:  # causal: the tree region is the new tokens themselves
-                visible = j[:, None, :] <= torch.arange(T, device=n.device)[:, None]
-            else:
-                bits = unpack_tree_mask(self.tree_mask, self.tree_mask.shape[-1] * 32)  # [B, T, 32W]
-                tree = bits.gather(2, j.clamp(0, bits.shape[-1] - 1)[:, None, :].expand(B, T, N))
-                visible = (j < 0)[:, None, :] | (tree & (j < self.tree_lens[:, None])[:, None, :])
-            # Key 0 (context, or the tree's root when there is no context) is visible to every real query;
-            # making it visible to padding rows too keeps their softmax non-empty (no NaN).
-            visible[:, :, 0] = True
-            self._plan = (slots, visible)
+            self._plan = (slots, self.visible(T, N))
         return self._plan
+
+    def visible(self, T: int, N: int) -> torch.Tensor:
+        """[B, T, N] bool: query i of sequence b sees logical entry n."""
+        B = self.context_lens.shape[0]
+        n = torch.arange(N, device=self.context_lens.device)
+        j = n - self.context_lens[:, None]  # [B, N] index into the tree region (< 0: context)
+        if self.tree_mask is None:  # causal: the tree region is the new tokens themselves
+            visible = j[:, None, :] <= torch.arange(T, device=n.device)[:, None]
+        else:
+            bits = unpack_tree_mask(self.tree_mask, self.tree_mask.shape[-1] * 32)  # [B, T, 32W]
+            tree = bits.gather(2, j.clamp(0, bits.shape[-1] - 1)[:, None, :].expand(B, T, N))
+            visible = (j < 0)[:, None, :] | (tree & (j < self.tree_lens[:, None])[:, None, :])
+        # Key 0 (context, or the tree's root when there is no context) is visible to every real query;
+        # making it visible to padding rows too keeps their softmax non-empty (no NaN).
+        visible[:, :, 0] = True
+        return visible
 
 
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -196,19 +276,20 @@ def _kernels_take(head_size: int, group_size: int) -> bool:
     return why is None
 
 
-def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel."""
-    kern = kernels_for(store, k.device)
+def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern=False) -> None:
+    """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel (kern: the
+    kernels module or None as resolved by kernels_for; False: resolve here)."""
+    kern = kernels_for(store, k.device) if kern is False else kern
     (kern.quantize_append if kern else type(store).write)(store, layer, slots, k, v)
 
 
-def move_kv(store: KVStore, src: torch.Tensor, dst: torch.Tensor) -> None:
+def move_kv(store: KVStore, src: torch.Tensor, dst: torch.Tensor, kern=False) -> None:
     """Copy accepted tree entries' stored bytes src -> dst in every layer, on the device."""
-    kern = kernels_for(store, src.device)
+    kern = kernels_for(store, src.device) if kern is False else kern
     (kern.move_slots if kern else type(store).move)(store, src, dst)
 
 
-def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatch) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatch, kern=False) -> torch.Tensor:
     """q [B, T, H, D] (RoPE applied) over each sequence's paged K/V -> [B, T, H, D].
 
     The reference implementation: gather the visible pages (dequantized by the store) and run SDPA with
@@ -216,7 +297,7 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
     Triton kernel (bpcompile/kernels.py) runs instead, reading the packed pages directly.
     """
     B, T, H, D = q.shape
-    kern = kernels_for(store, q.device)
+    kern = kernels_for(store, q.device) if kern is False else kern  # False: resolve here
     if kern is not None:
         return kern.paged_attention(q, store, layer, batch.block_tables, batch.context_lens, batch.tree_mask,
                                     batch.tree_lens, D ** -0.5, q_lens=batch.q_lens)
@@ -231,6 +312,23 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
     extra = {"enable_gqa": True} if H != kv and _HAS_GQA else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], **extra)
     return out.transpose(1, 2)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [B, T, H, D] over k, v [B, KV, N, D] (GQA: query head h reads KV head h // (H/KV)) -> [B, T, H, D].
+
+    hidden: [B, 1, T * H/KV, N] bool, True where a query must not see a key (rows t * H/KV + r), or None when
+    every query sees every key. Plain matmul-softmax: at decode lengths (a few query rows, N in the hundreds)
+    SDPA's setup costs more than the arithmetic."""
+    B, T, H, D = q.shape
+    KV = k.shape[1]
+    rep = H // KV
+    qh = (q * D ** -0.5).view(B, T, KV, rep, D).transpose(1, 2).reshape(B, KV, T * rep, D)
+    s = qh @ k.transpose(-1, -2)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return (p @ v).view(B, KV, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
 
 
 # ----------------------------------------------------------------------------------------- requests
@@ -262,10 +360,13 @@ class Generator:
     def __init__(self, verifier: Llama, draft: Optional[Llama], tree: Optional[TreeSpec], *, max_batch_size: int = 8,
                  max_seq_len: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
                  kv_store_factory: Optional[KVStoreFactory] = None, device: str = "cpu",
-                 draft_kv_store_factory: Optional[KVStoreFactory] = None, max_input_len: Optional[int] = None):
+                 draft_kv_store_factory: Optional[KVStoreFactory] = None, max_input_len: Optional[int] = None,
+                 dense_kv: bool = True, backoff: bool = True):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
         plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
-        max_input_len: longest prompt accepted (default max_seq_len - 1)."""
+        max_input_len: longest prompt accepted (default max_seq_len - 1). dense_kv: where the kernels do not run,
+        attend over a per-sequence DenseKV copy of the cache (False: gather from the store every time).
+        backoff: draft less or not at all while speculation does not pay (speculative.BackOff)."""
         self.device = torch.device(device)
         self.tree = tree or TreeSpec("none")
         if self.tree.kind != "none" and draft is None:
@@ -281,10 +382,15 @@ class Generator:
         self.g_max = self.tree.draft_tokens + 1
         per_seq = -(-(max_seq_len + self.g_max) // page_size)
         self.num_pages = num_pages or max_batch_size * per_seq + 1
-        self.vkv = PagedKV((kv_store_factory or _default_factory(verifier.dtype))(
-            verifier.cfg, self.num_pages, page_size, str(self.device)))
-        self.dkv = PagedKV((draft_kv_store_factory or _default_factory(draft.dtype))(
-            draft.cfg, self.num_pages, page_size, str(self.device))) if self.draft is not None else None
+
+        def paged(model: Llama, factory: Optional[KVStoreFactory]) -> PagedKV:
+            store = (factory or _default_factory(model.dtype))(model.cfg, self.num_pages, page_size, str(self.device))
+            dense = DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device) \
+                if dense_kv and kernels_for(store, self.device) is None else None
+            return PagedKV(store, self.device, dense)
+
+        self.vkv = paged(self.verifier, kv_store_factory)
+        self.dkv = paged(self.draft, draft_kv_store_factory) if self.draft is not None else None
         self.waiting: deque[_Req] = deque()
         self.waiting_ids: set[str] = set()
         self.running: dict[str, _Req] = {}
@@ -294,6 +400,7 @@ class Generator:
         # greedy dynamic trees: acceptance rates seen so far (None: score by the raw draft probability)
         self.calib: Optional[AcceptanceCalibration] = AcceptanceCalibration()
         self.accept_rule: AcceptRule = residual_rule  # injectable (tests prove a wrong rule is caught)
+        self.backoff: Optional[BackOff] = BackOff(self.tree) if backoff and self.draft is not None else None
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -321,12 +428,15 @@ class Generator:
             from .kvcache import KVPlan, kv_store_factory as plan_factory
 
             kv_store_factory = plan_factory(KVPlan.load(d / "kv_plan"))
+        elif kv_store_factory is None and kv.get("format") == "fp16":
+            kv_store_factory = _default_factory(torch.float16)  # an FP16 cache whatever the model's dtype
         verifier = Llama.from_checkpoint(d / "verifier")
         draft = Llama.from_checkpoint(d / "draft") if tree.kind != "none" else None
         return cls(verifier, draft, tree, max_batch_size=int(limits.get("max_batch_size", 8)),
                    max_seq_len=int(limits.get("max_seq_len", 512)), page_size=int(kv.get("page_size", 16)),
                    kv_store_factory=kv_store_factory, device=device, draft_kv_store_factory=draft_kv_store_factory,
-                   max_input_len=int(limits["max_input_len"]) if limits.get("max_input_len") else None)
+                   max_input_len=int(limits["max_input_len"]) if limits.get("max_input_len") else None,
+                   backoff=bool(spec.get("backoff", True)))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None) -> str:
         p, V = params, self.verifier.cfg.vocab_size
@@ -427,19 +537,34 @@ class Generator:
         pad = lambda xs, v=0: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
         tok = torch.tensor(pad(tokens), device=dev)
         pos = torch.tensor(pad(positions), device=dev)
-        wslots = torch.tensor(pad([[kv.slot(r.id, i) for i in w] for r, w in zip(reqs, writes)]), device=dev)
+        flat = torch.tensor(pad([[kv.slot(r.id, i) for i in w] for r, w in zip(reqs, writes)]), device=dev).view(-1)
         mask = None
         if mask_rows is not None:
             words = max(1, -(-max(tree_lens) // 32))
             mask = torch.stack([pack_rows(rows + [0] * (T - len(rows)), words) for rows in mask_rows]).to(dev)
-        batch = AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
-                          torch.tensor(tree_lens, device=dev), torch.tensor([len(t) for t in tokens], device=dev),
-                          mask, kv.ps)
-        store, flat = kv.store, wslots.reshape(-1)
+        if kv.dense is not None:
+            rows = [kv.rows[r.id] for r in reqs]
+            at = (torch.tensor([[row] * len(w) + [kv.dense.null] * (T - len(w)) for row, w in zip(rows, writes)],
+                               device=dev).view(-1), torch.tensor(pad(writes), device=dev).view(-1))
+            N = max(c + t for c, t in zip(ctx, tree_lens))
+            hidden = None
+            if B > 1 or T > 1 or mask is not None:  # one new token of one sequence sees every entry
+                batch = AttnBatch(None, torch.tensor(ctx, device=dev), torch.tensor(tree_lens, device=dev), None,
+                                  mask, kv.ps)
+                rep = model.cfg.num_heads // model.cfg.num_kv_heads
+                hidden = ~batch.visible(T, N).repeat_interleave(rep, dim=1)[:, None]
 
-        def attend(layer, q, k, v):
-            write_kv(store, layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
-            return paged_attention(q, store, layer, batch)
+            def attend(layer, q, k, v):
+                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
+                return dense_attention(q, *kv.dense.read(layer, rows, N), hidden)
+        else:
+            batch = AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
+                              torch.tensor(tree_lens, device=dev), torch.tensor([len(t) for t in tokens], device=dev),
+                              mask, kv.ps)
+
+            def attend(layer, q, k, v):
+                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
+                return paged_attention(q, kv.store, layer, batch, kv.kern)
 
         self.forwards["draft" if model is self.draft else "verifier"] += 1
         return model(tok, pos, attend=attend)
@@ -454,12 +579,15 @@ class Generator:
         tok = torch.tensor([r.prompt + [0] * (T - len(r.prompt)) for r in reqs], device=dev)
         flat = torch.tensor([[kv.slot(r.id, i) for i in range(len(r.prompt))] + [0] * (T - len(r.prompt))
                              for r in reqs], device=dev).reshape(-1)
-        store = kv.store
+        at = None
+        if kv.dense is not None:
+            at = (torch.tensor([[kv.rows[r.id]] * len(r.prompt) + [kv.dense.null] * (T - len(r.prompt))
+                                for r in reqs], device=dev).view(-1), torch.arange(T, device=dev).repeat(B))
 
         def attend(layer, q, k, v):
             # Right padding: real tokens never see the padding under a causal mask. The prompt attends to
             # its unquantized K/V (as TensorRT-LLM's context phase does); the cache keeps the stored form.
-            write_kv(store, layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
+            kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
             return causal_attend(q, k, v)
 
         same = len(set(lens)) == 1
@@ -527,9 +655,10 @@ class Generator:
     def _decode(self, reqs: list[_Req]) -> list[StepOutput]:
         t0 = time.perf_counter()
         trees, builders = [], []
+        spec = self.backoff.next_spec() if self.backoff is not None else self.tree
         for r in reqs:
             depth = r.params.max_tokens - len(r.out) - 1 if self.draft is not None else 0
-            tree, b = make_builder(self.tree, r.tokens[-1], r.sampling, depth, self.calib)
+            tree, b = make_builder(spec, r.tokens[-1], r.sampling, depth, self.calib)
             trees.append(tree)
             builders.append(b)
         drafting = [k for k, b in enumerate(builders) if b is not None]
@@ -543,7 +672,7 @@ class Generator:
                                [[r.v_len + d for d in t.depths] for r, t in zip(reqs, trees)],
                                [list(range(r.v_len, r.v_len + len(t))) for r, t in zip(reqs, trees)],
                                [r.v_len for r in reqs], [len(t) for t in trees],
-                               [t.bits for t in trees] if self.g_max > 1 else None)
+                               [t.bits for t in trees] if any(len(t) > 1 for t in trees) else None)
         argmax = logits.argmax(-1).tolist() if any(r.sampling.greedy for r in reqs) else None
         results = []
         for b, (r, tree) in enumerate(zip(reqs, trees)):
@@ -556,12 +685,11 @@ class Generator:
                                                r.sampling.rng, self.accept_rule))
         t2 = time.perf_counter()
 
-        vmove, dmove, outs = ([], []), ([], []), []
+        vmove, dmove, outs = ([], [], [], [], []), ([], [], [], [], []), []  # src/dst slots, row, src/dst index
         for r, tree, (path, bonus), bld in zip(reqs, trees, results, builders):
             for j, n in enumerate(path[1:], 1):
                 if n != j:
-                    vmove[0].append(self.vkv.slot(r.id, r.v_len + n))
-                    vmove[1].append(self.vkv.slot(r.id, r.v_len + j))
+                    _add_move(vmove, self.vkv, r.id, r.v_len + n, r.v_len + j)
             r.v_len += len(path)
             if bld is not None:
                 m = 0  # accepted draft nodes the draft has run: their KV is kept, the rest is run next step
@@ -569,8 +697,7 @@ class Generator:
                     if n not in tree.forwarded:
                         break
                     if n != j:
-                        dmove[0].append(self.dkv.slot(r.id, r.d_len + n - 1))
-                        dmove[1].append(self.dkv.slot(r.id, r.d_len + j - 1))
+                        _add_move(dmove, self.dkv, r.id, r.d_len + n - 1, r.d_len + j - 1)
                     m += 1
                 r.d_len += m
             new = [tree.tokens[n] for n in path[1:]] + [bonus]
@@ -584,11 +711,10 @@ class Generator:
                 lst.extend([0] * (depth - len(lst)))
                 for d in range(upto):
                     lst[d] += 1
-        dev = self.device
-        if vmove[0]:
-            move_kv(self.vkv.store, torch.tensor(vmove[0], device=dev), torch.tensor(vmove[1], device=dev))
-        if dmove[0]:
-            move_kv(self.dkv.store, torch.tensor(dmove[0], device=dev), torch.tensor(dmove[1], device=dev))
+        for kv, mv in ((self.vkv, vmove), (self.dkv, dmove)):
+            if mv[0]:
+                src_, dst, *at = (torch.tensor(x, device=self.device) for x in mv)
+                kv.move(src_, dst, at)
         for r, tree, (path, bonus) in zip(reqs, trees, results):
             self.vkv.truncate(r.id, r.v_len)
             if self.dkv is not None:
@@ -599,6 +725,9 @@ class Generator:
             r.stats.draft_s += t1 - t0
             r.stats.verify_s += t2 - t1
             r.stats.bookkeeping_s += t3 - t2
+        if self.backoff is not None:
+            acc = [len(path) - 1 for (path, _), b in zip(results, builders) if b is not None]
+            self.backoff.update(bool(acc), sum(acc) / max(1, len(acc)), t3 - t0, t2 - t1)
         return outs
 
     def _emit(self, r: _Req, toks: list[int]) -> StepOutput:
@@ -620,6 +749,14 @@ class Generator:
         if reason is not None:
             self._release(r)
         return StepOutput(r.id, new, reason is not None, reason, r.stats)
+
+
+def _add_move(mv: tuple, kv: PagedKV, rid: str, src: int, dst: int) -> None:
+    mv[0].append(kv.slot(rid, src))
+    mv[1].append(kv.slot(rid, dst))
+    mv[2].append(kv.rows.get(rid, 0))
+    mv[3].append(src)
+    mv[4].append(dst)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -662,9 +799,31 @@ class IncrementalDetokenizer:
         return text
 
 
+def chat_prompt(tokenizer_dir: Path, user: str) -> Optional[str]:
+    """`user` as one user turn through the tokenizer's chat template, ready for the assistant's answer; None when
+    the tokenizer has no template. Rendered with jinja2 in a sandbox (as transformers renders these templates)."""
+    tdir = Path(tokenizer_dir)
+    template = None
+    if (tdir / "chat_template.jinja").is_file():
+        template = (tdir / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (tdir / "tokenizer_config.json").is_file():
+        template = json.loads((tdir / "tokenizer_config.json").read_text()).get("chat_template")
+    if not isinstance(template, str):
+        return None
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(messages=[{"role": "user", "content": user}],
+                                                add_generation_prompt=True, bos_token="", eos_token="")
+    except TemplateError as e:
+        raise UserError(f"the chat template does not render: {e} (use --raw)", file=str(tdir)) from None
+
+
 def generate_cli(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optional[str] = None,
                  no_speculation: bool = False, temperature: float = 0.0, seed: Optional[int] = None,
-                 json_out: bool = False) -> dict:
+                 json_out: bool = False, chat: bool = True) -> dict:
     """`bpcompile generate`: stream tokens to stdout as they come, statistics at the end."""
     from tokenizers import Tokenizer
 
@@ -681,7 +840,8 @@ def generate_cli(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optio
         end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
     gen = Generator.from_engine(d, tree=spec)
-    ids = tok.encode(prompt_text).ids
+    templated = chat_prompt(d / "tokenizer", prompt_text) if chat else None
+    ids = tok.encode(templated if templated is not None else prompt_text).ids
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, end_id=end_id)
     detok = IncrementalDetokenizer(tok, ids)
     t0 = time.perf_counter()
@@ -689,6 +849,7 @@ def generate_cli(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optio
     (out, stats), = gen.generate([ids], params, on_token=stream)
     wall = time.perf_counter() - t0
     result = {"tree": gen.tree.kind if gen.draft is not None else "none", "prompt_tokens": len(ids),
+              "chat_template": templated is not None,
               "tokens": out, "text": tok.decode(out), "tokens_per_s": len(out) / wall if wall > 0 else None,
               "wall_s": wall, "tau": stats.tau, "verifier_steps": stats.verifier_steps,
               "accepted_per_depth": stats.accepted_per_depth, "proposed_per_depth": stats.proposed_per_depth,

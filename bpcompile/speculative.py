@@ -412,6 +412,68 @@ class DynamicBuilder(_Builder):
         return []
 
 
+class BackOff:
+    """Speculation that never costs much: when drafting does not pay, draft less or not at all for a while.
+
+    After each drafting step it compares what the step yielded with what verifier-only decoding would have
+    yielded in the same time: (1 + a) tokens per `t_spec` seconds against 1 token per `t_plain`, where a is a
+    running mean of accepted draft tokens per sequence and step, t_spec a running mean of drafting steps' wall
+    time and t_plain of plain steps' (until a plain step has been seen, a drafting step's verify time stands in:
+    verifying a tree costs no less than one token, so the estimate errs towards drafting). If drafting is slower,
+    the next `wait` steps draft nothing, then one step probes again; a failed probe doubles `wait` (up to
+    `max_wait`), a good one resets it. While drafting, chains and dynamic trees are cut to about twice the
+    accepted length plus one (they grow back as acceptance does).
+
+    Only future steps' trees depend on it, and only through past steps: greedy output stays identical to
+    verifier-only decoding, and sampling stays lossless (whether a step drafts, and how many candidates, is
+    fixed before any of its draws: the stopping-rule argument in the module docstring).
+    """
+
+    def __init__(self, spec: TreeSpec, first_wait: int = 4, max_wait: int = 64, decay: float = 0.3):
+        self.spec, self.first_wait, self.max_wait, self.decay = spec, first_wait, max_wait, decay
+        self.wait, self.skip, self.probing = first_wait, 0, False
+        self.accepted: Optional[float] = None
+        self.t_spec: Optional[float] = None
+        self.t_verify: Optional[float] = None
+        self.t_plain: Optional[float] = None
+        self.backoffs = 0  # times drafting was switched off (benchmarks and tests read it)
+        self.plain_steps = 0
+
+    def _mean(self, old: Optional[float], new: float) -> float:
+        return new if old is None else old + self.decay * (new - old)
+
+    def next_spec(self) -> TreeSpec:
+        """The tree to draft this step (kind "none": no drafting)."""
+        if self.skip > 0:
+            self.skip -= 1
+            self.plain_steps += 1
+            return TreeSpec("none")
+        s = self.spec
+        if self.accepted is None or s.kind not in ("chain", "dynamic") or self.probing:
+            return s
+        n = max(1, min(s.draft_tokens, int(2 * self.accepted + 1.5)))
+        return TreeSpec(s.kind, length=n, nodes=n)
+
+    def update(self, drafted: bool, accepted: float, seconds: float, verify_seconds: float) -> None:
+        """After a step: whether it drafted, accepted draft tokens per drafting sequence, its wall time and the
+        verifier forward's share of it."""
+        if not drafted:
+            self.t_plain = self._mean(self.t_plain, seconds)
+            return
+        # a probe starts afresh: acceptance long ago says little about now
+        self.accepted = accepted if self.probing else self._mean(self.accepted, accepted)
+        self.t_spec = self._mean(self.t_spec, seconds)
+        self.t_verify = self._mean(self.t_verify, verify_seconds)
+        plain = self.t_plain if self.t_plain is not None else self.t_verify
+        if (1 + self.accepted) * plain < self.t_spec:
+            self.skip = self.wait
+            self.wait = min(2 * self.wait, self.max_wait)
+            self.backoffs += 1
+            self.probing = True
+        else:
+            self.wait, self.probing = self.first_wait, False
+
+
 def make_builder(spec: TreeSpec, root_token: int, s: Sampling, max_depth: int,
                  calib: Optional[AcceptanceCalibration] = None) -> tuple[DraftTree, Optional[_Builder]]:
     """The tree for one step and its builder (None: no drafting this step, the tree is node 0 alone)."""

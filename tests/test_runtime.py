@@ -130,10 +130,11 @@ def test_verifier_only_matches_full_recompute(pair):
 @pytest.mark.parametrize("kind", list(TREES))
 def test_greedy_speculation_is_identical(pair, kind):
     ref = reference(pair, PROMPTS, 40)
-    gen = Generator(pair[0], pair[1], TREES[kind], max_batch_size=4, page_size=4)
+    # backoff off: the draft costs as much as the verifier here, so back-off would (rightly) stop drafting
+    gen = Generator(pair[0], pair[1], TREES[kind], max_batch_size=4, page_size=4, backoff=False)
     batched = gen.generate(PROMPTS, SamplingParams(max_tokens=40))  # batch 4, different prompt lengths
     assert [t for t, _ in batched] == ref
-    one = Generator(pair[0], pair[1], TREES[kind], max_batch_size=1, page_size=8).generate(
+    one = Generator(pair[0], pair[1], TREES[kind], max_batch_size=1, page_size=8, backoff=False).generate(
         [PROMPTS[1]], SamplingParams(max_tokens=40))
     assert one[0][0] == ref[1]
     stats = [s for _, s in batched]
@@ -144,7 +145,7 @@ def test_greedy_speculation_is_identical(pair, kind):
 
 def test_identical_draft_accepts_everything(pair):
     """draft == verifier: every chain token is accepted, tau = length + 1 (until max_tokens caps the tree)."""
-    gen = Generator(pair[0], pair[0], TreeSpec("chain", length=4), max_batch_size=2, page_size=4)
+    gen = Generator(pair[0], pair[0], TreeSpec("chain", length=4), max_batch_size=2, page_size=4, backoff=False)
     (toks, st), = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=31))  # 1 + 6 steps x 5
     assert toks == reference(pair, [PROMPTS[0]], 31)[0]
     assert st.verifier_steps == 6 and st.accepted_per_depth == st.proposed_per_depth == [6, 6, 6, 6]
@@ -165,7 +166,7 @@ def _capture_kv(model: Llama, tokens: list[int]) -> list[tuple[torch.Tensor, tor
 @pytest.mark.parametrize("kind", ["chain", "dynamic"])
 def test_kv_compaction_matches_sequential(pair, kind):
     """After speculative steps, both caches hold exactly the K/V of the committed tokens, in order."""
-    gen = Generator(pair[0], pair[1], TREES[kind], max_batch_size=2, page_size=4)
+    gen = Generator(pair[0], pair[1], TREES[kind], max_batch_size=2, page_size=4, backoff=False)
     for p in PROMPTS[:2]:
         gen.add_request(p, SamplingParams(max_tokens=60))
     for _ in range(6):
@@ -180,6 +181,9 @@ def test_kv_compaction_matches_sequential(pair, kind):
             for layer, (k, v) in enumerate(ref):
                 ks, vs = kv.store.read(layer, slots)
                 assert torch.allclose(ks, k, atol=1e-4) and torch.allclose(vs, v, atol=1e-4)
+                # the dense copy the attention reads holds exactly what the store holds, in logical order
+                dk, dv = kv.dense.read(layer, [kv.rows[r.id]], n)
+                assert torch.equal(dk[0].transpose(0, 1), ks) and torch.equal(dv[0].transpose(0, 1), vs)
             checked += 1
     assert checked == 4
 
@@ -375,7 +379,7 @@ def test_tiny_pair_heldout_greedy_identical(tmp_path):
     ref = [t for t, _ in Generator(models["verifier"], None, None, **kw).generate(prompts, p)]
     for spec in (TreeSpec("chain", length=5), TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
                  TreeSpec("dynamic", nodes=5)):
-        res = Generator(models["verifier"], models["draft"], spec, **kw).generate(prompts, p)
+        res = Generator(models["verifier"], models["draft"], spec, backoff=False, **kw).generate(prompts, p)
         assert [t for t, _ in res] == ref, spec.kind
         # batch 1: one request in flight at a time, against the same (batched) verifier-only reference
         one = Generator(models["verifier"], models["draft"], spec, **dict(kw, max_batch_size=1)).generate(prompts, p)

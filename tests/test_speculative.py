@@ -200,7 +200,8 @@ def _run(tree, n, rule=None):
     """n independent requests (own seeds) through speculative sampling -> counts of (t2, t3)."""
     verifier = random_llama(CFG, seed=0, scale=0.3)
     draft = random_llama(CFG, seed=1, scale=0.3)  # unrelated weights: q differs a lot from p
-    gen = Generator(verifier, draft, tree, max_batch_size=1000, max_seq_len=16, page_size=4)
+    # backoff off: a draft this costly would (rightly) be switched off, and this test is about the acceptance rule
+    gen = Generator(verifier, draft, tree, max_batch_size=1000, max_seq_len=16, page_size=4, backoff=False)
     if rule is not None:
         gen.accept_rule = rule
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
@@ -263,3 +264,27 @@ def test_residual_rule_two_candidates_exact():
     assert torch.allclose(out, p, atol=1e-12), out
     _, keep = broken_rule(p, q, 3, 1.0)
     assert torch.equal(keep, p)
+
+
+def test_backoff_stops_drafting_that_does_not_pay_and_probes_again():
+    """BackOff against made-up step timings: a drafting step that yields less than plain decoding in its time
+    switches drafting off for `wait` steps, a failed probe doubles the wait, a good one restores drafting, and
+    the tree shrinks to about twice the accepted length."""
+    from bpcompile.speculative import BackOff
+
+    b = BackOff(TreeSpec("dynamic", nodes=8), first_wait=2, max_wait=8, decay=1.0)
+    assert b.next_spec().nodes == 8  # nothing measured yet: the recipe's tree
+    b.update(False, 0.0, 0.010, 0.0)  # a plain step takes 10 ms
+    b.update(True, 0.0, 0.030, 0.012)  # drafting: 30 ms for 1 token, plain would give 3
+    assert b.backoffs == 1 and [b.next_spec().kind for _ in range(3)] == ["none", "none", "dynamic"]
+    b.update(True, 0.5, 0.030, 0.012)  # the probe fails too (1.5 tokens per 30 ms): wait doubles
+    assert [b.next_spec().kind for _ in range(5)] == ["none"] * 4 + ["dynamic"] and b.backoffs == 2
+    b.update(True, 3.0, 0.030, 0.012)  # 4 tokens per 30 ms beats 3: drafting stays on, wait resets
+    assert b.wait == 2 and b.next_spec().kind == "dynamic" and b.next_spec().nodes == 7  # int(2 * 3 + 1.5)
+    b.update(True, 1.0, 0.015, 0.012)  # 2 tokens per 15 ms beats 1.5: still on, the tree follows acceptance
+    assert b.next_spec().nodes == 3 and b.plain_steps == 6
+    for _ in range(6):  # a draft that never pays: the wait is capped
+        b.update(True, 0.0, 0.030, 0.012)
+        while b.next_spec().kind == "none":
+            pass
+    assert b.wait == 8

@@ -1,0 +1,171 @@
+"""Decode speed on the SmolLM2 pair: bpcompile's native runtime against transformers, side by side in one run.
+
+    .venv/bin/python scripts/bench_smollm2.py                         # prints a markdown table
+    .venv/bin/python scripts/bench_smollm2.py --json out.json --prompts 12 --repeats 3
+
+Every row decodes the same chat prompts (held-out pydoc instruction prompts through SmolLM2's chat template)
+greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 weights, --threads intra-op
+threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
+bpcompile verifier-only with an FP16 cache and with the default KV plan (calibrated here on the builtin
+pydoc train split); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache); and
+speculation with a draft of random weights (back-off on). Runs are interleaved: each repeat times every row
+on every prompt, rows in a rotated order, so drift hits all rows alike. A ratio is the median over repeats of
+(row's total time / the reference row's total time) inverted, with the min..max over repeats beside it.
+Greedy identity: every speculative row's tokens must equal verifier-only's (same FP16 cache) on every prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bpcompile import corpus  # noqa: E402
+from bpcompile.calibrate import calibrate  # noqa: E402
+from bpcompile.convert import convert_checkpoint  # noqa: E402
+from bpcompile.kvcache import kv_store_factory  # noqa: E402
+from bpcompile.model import Llama  # noqa: E402
+from bpcompile.runtime import Generator, SamplingParams, TreeSpec, _default_factory  # noqa: E402
+
+
+def _distill_module():
+    spec = importlib.util.spec_from_file_location("distill", REPO / "scripts" / "distill_smollm2_draft.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def prompts(tok, n: int, max_prompt: int, seed: int) -> list[list[int]]:
+    """Held-out instruction prompts (the draft was distilled on other documents' prompts), chat-templated."""
+    d = _distill_module()
+    out = [d.chat_ids(tok, p) for p in d.instruction_prompts(corpus.heldout_documents(), 4 * n, seed)]
+    return [ids for ids in out if len(ids) <= max_prompt][:n]
+
+
+def ours(verifier, draft, tree, kv_factory, backoff=True):
+    gen = Generator(verifier, draft if tree.kind != "none" else None, tree, max_batch_size=1, max_seq_len=1024,
+                    kv_store_factory=kv_factory, backoff=backoff)
+
+    def run(ids, n):
+        (toks, stats), = gen.generate([ids], SamplingParams(max_tokens=n))
+        return toks, stats.tau
+    return run
+
+
+def hf(model, assistant=None):
+    def run(ids, n):
+        x = torch.tensor([ids])
+        kw = {"assistant_model": assistant} if assistant is not None else {}
+        out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2, **kw)
+        return out[0, len(ids):].tolist(), None
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--verifier", default=str(REPO / "models/smollm2/verifier"))
+    ap.add_argument("--draft", default=str(REPO / "models/smollm2/draft"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-prompt", type=int, default=256, help="longest prompt kept, in tokens")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="all", help="comma-separated row keys to run (default: all)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default=None, help="also write the raw timings here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(a.verifier)
+    ps = prompts(tok, a.prompts, a.max_prompt, a.seed)
+    hv = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.float32).eval()
+    hd = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
+    tmp = Path(tempfile.mkdtemp())
+    convert_checkpoint(a.verifier, tmp / "v")
+    convert_checkpoint(a.draft, tmp / "d")
+    v, d = Llama.from_checkpoint(tmp / "v"), Llama.from_checkpoint(tmp / "d")
+    torch.manual_seed(0)
+    rnd = Llama.from_checkpoint(tmp / "d")
+    for name, b in rnd.named_buffers():  # same shape and cost as the shipped draft, useless proposals
+        if b.is_floating_point() and "norm" not in name:
+            torch.nn.init.normal_(b, std=0.02)
+    t = time.perf_counter()
+    plan, _ = calibrate(v, corpus.calibration_samples(tok, 16, 128), {"format": "int4-fp8-outlier"})
+    print(f"calibrated the default plan in {time.perf_counter() - t:.0f}s ({plan.compression_vs_fp16():.2f}x)",
+          file=sys.stderr)
+    fp16 = _default_factory(torch.float16)
+    rows = {
+        "hf": ("transformers generate (fp32 cache)", hf(hv)),
+        "hf_assisted": ("transformers assisted generation, shipped draft", hf(hv, hd)),
+        "fp16": ("bpcompile verifier only, FP16 KV", ours(v, None, TreeSpec("none"), fp16)),
+        "plan": ("bpcompile verifier only, default KV plan", ours(v, None, TreeSpec("none"), kv_store_factory(plan))),
+        "chain3": ("bpcompile chain 3, FP16 KV", ours(v, d, TreeSpec("chain", length=3), fp16)),
+        "dyn5": ("bpcompile dynamic tree 5, FP16 KV", ours(v, d, TreeSpec("dynamic", nodes=5), fp16)),
+        "random": ("bpcompile dynamic tree 5, random-weight draft, back-off", ours(v, rnd, TreeSpec("dynamic", nodes=5), fp16)),
+    }
+    if a.rows != "all":
+        keep = a.rows.split(",")
+        rows = {k: r for k, r in rows.items() if k in keep or k in ("hf", "fp16")}
+    keys = list(rows)
+    for k in keys:  # warm-up (allocations, lazy init) outside the timings
+        rows[k][1](ps[0], 4)
+    times = {k: [[0.0] * len(ps) for _ in range(a.repeats)] for k in keys}
+    toks, taus = {k: [None] * len(ps) for k in keys}, {k: [] for k in keys}
+    for rep in range(a.repeats):
+        for i, ids in enumerate(ps):
+            shift = (rep * len(ps) + i) % len(keys)
+            for k in keys[shift:] + keys[:shift]:
+                t0 = time.perf_counter()
+                out, tau = rows[k][1](ids, a.max_tokens)
+                times[k][rep][i] = time.perf_counter() - t0
+                assert len(out) == a.max_tokens, (k, len(out))
+                toks[k][i] = out
+                if tau is not None:
+                    taus[k].append(tau)
+        print(f"repeat {rep + 1}/{a.repeats} done", file=sys.stderr)
+    total = {k: [sum(r) for r in times[k]] for k in keys}
+
+    def ratio(k, ref):  # speed of k relative to ref: > 1 is faster
+        rs = [total[ref][r] / total[k][r] for r in range(a.repeats)]
+        return statistics.median(rs), min(rs), max(rs)
+
+    identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps)))
+                 for k in keys if k in ("chain3", "dyn5", "random")}
+    n_tok = a.max_tokens * len(ps)
+    lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
+             f"weights, {a.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}",
+             "", "| row | tokens/s (median) | vs transformers | vs verifier-only FP16 | tau |", "|---|---|---|---|---|"]
+    for k in keys:
+        tps = n_tok / statistics.median(total[k])
+        rh, rf = ratio(k, "hf"), ratio(k, "fp16")
+        tau = f"{statistics.mean(taus[k]):.2f}" if taus[k] and k not in ("fp16", "plan") else ""
+        lines.append(f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
+                     f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |")
+    if "hf_assisted" in keys:
+        for k in ("chain3", "dyn5"):
+            if k in keys:
+                r = ratio(k, "hf_assisted")
+                lines.append(f"\n{rows[k][0]} vs transformers assisted generation: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})")
+    lines.append("\nGreedy identity with verifier-only (FP16 KV): " +
+                 ", ".join(f"{k} {n}/{len(ps)}" for k, n in identical.items()))
+    print("\n".join(lines))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "times": times, "taus": taus, "identical": identical,
+                                            "rows": {k: rows[k][0] for k in keys}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

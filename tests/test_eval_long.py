@@ -1,0 +1,150 @@
+"""`bpcompile eval` beyond the next token, on the shipped tiny pair: the evaluation text (--text), passkey
+retrieval, greedy-continuation parity, and FP16 KV meaning FP16 whatever the model's dtype."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bpcompile.calibrate import calibrate_engine_stage
+from bpcompile.cli import main
+from bpcompile.convert import convert_checkpoint
+from bpcompile.evaluate import _prefix_kv, decode_logits, passkey_trials
+from bpcompile.kvcache import KVPlan, kv_store_factory
+from bpcompile.model import Llama
+from bpcompile.runtime import Generator, SamplingParams
+from bpcompile.speculative import TreeSpec
+
+TINY = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
+KV = {"format": "int4-fp8-outlier", "outlier_fraction": 0.08, "group_size": 64, "page_size": 16}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """An engine version of the tiny verifier (converted checkpoint, tokenizer, calibrated KV plan)."""
+    eng = tmp_path_factory.mktemp("eng")
+    convert_checkpoint(TINY, eng / "verifier")
+    (eng / "tokenizer").mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, eng / "tokenizer" / f)
+    calibrate_engine_stage(eng / "verifier", eng / "tokenizer", KV, {"samples": 2, "length": 64}, eng / "kv_plan")
+    (eng / "manifest.json").write_text("{}")
+    return eng
+
+
+@pytest.fixture(scope="module")
+def verifier(engine):
+    return Llama.from_checkpoint(engine / "verifier")
+
+
+def run_eval(engine, *args):
+    res = CliRunner().invoke(main, ["eval", str(engine), "--json", "--sequences", "2", "--length", "64", *args])
+    return res
+
+
+def test_teacher_forced_decode_reads_what_the_runtime_decode_reads(verifier):
+    """decode_logits (prefill once, then the tail through the plan's store) must pick, at every step, the token
+    the runtime's greedy decode picks over the same quantized cache; with an FP16 cache it must match a plain
+    full-precision forward."""
+    prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    c = verifier.cfg
+    plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
+    gen = Generator(verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64,
+                    kv_store_factory=kv_store_factory(plan))
+    out = gen.generate([prompt], SamplingParams(max_tokens=16))[0][0]
+    kv = _prefix_kv(verifier, prompt)
+    pred = decode_logits(verifier, kv, out[:-1], plan).argmax(-1).tolist()
+    assert pred == out[1:]  # the first token comes from the prefill, the rest from decode steps
+    fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
+    full = verifier.forward(torch.tensor([prompt + out]))[0, len(prompt):-1]
+    torch.testing.assert_close(decode_logits(verifier, kv, out[:-1], fp16), full, atol=2e-2, rtol=0)
+
+
+def test_passkey_trials_hide_the_key_at_the_asked_length():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ts = passkey_trials(tok, 256, 6, seed=3)
+    assert ts == passkey_trials(tok, 256, 6, seed=3)  # deterministic per seed
+    for t in ts:
+        key = tok.decode(t["ids"][t["key_start"]:]).strip()
+        assert key.isdigit() and len(key) == 5
+        haystack = tok.decode(t["ids"][:t["prompt_len"]])
+        assert f"pass key is {key}." in haystack and haystack.rstrip().endswith("What is the pass key?")
+        assert 0.8 * 256 <= t["prompt_len"] <= 1.2 * 256
+    assert len({t["depth"] for t in ts}) > 1
+
+
+def test_eval_passkey_and_parity_on_tiny_sizes(engine):
+    res = run_eval(engine, "--plans", "int4-naive,engine", "--passkey", "128,256", "--passkey-trials", "2",
+                   "--parity-prompts", "3", "--parity-tokens", "8")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    names = [r["name"] for r in rep["rows"]]
+    assert names == ["fp16", "int4-naive", "engine plan (int4-fp8-outlier)"]
+    assert rep["text"].startswith("builtin:pydoc-topics held-out split")
+    pk = rep["passkey"]
+    assert pk["lengths"] == [128, 256] and pk["trials"] == 2 and set(pk["accuracy"]) == set(names)
+    assert all(0 <= a <= 1 for acc in pk["accuracy"].values() for a in acc.values())
+    gp = rep["parity"]
+    assert gp["prompts"] == 3 and gp["tokens"] == 8 and set(gp["identical"]) == set(names)
+    assert gp["identical"]["fp16"] == 1.0 and gp["mean_identical_prefix"]["fp16"] == 8
+    assert "passkey @128" in rep["markdown"] and "identical greedy continuations" in rep["markdown"]
+
+
+def test_eval_text_file_is_used_and_named(engine, tmp_path):
+    from bpcompile import corpus
+
+    f = tmp_path / "mine.txt"
+    f.write_text(corpus.train_text()[:20000])
+    a = json.loads(run_eval(engine, "--plans", "fp8", "--text", str(f)).stdout)
+    b = json.loads(run_eval(engine, "--plans", "fp8").stdout)
+    assert str(f) in a["text"] and "sha256" in a["text"] and str(f) in a["markdown"]
+    assert a["rows"][0]["ppl"] != b["rows"][0]["ppl"]  # other text, other perplexity
+
+
+@pytest.mark.parametrize("content, why", [(None, "expected a UTF-8 text file"), (b"\xff\xfe\x00bad", "not UTF-8"),
+                                          (b"too short", "windows")])
+def test_eval_text_bad_input_is_a_clear_error(engine, tmp_path, content, why):
+    f = tmp_path / "t.txt"
+    if content is not None:
+        f.write_bytes(content)
+    res = run_eval(engine, "--text", str(f))
+    assert res.exit_code == 2 and why in res.output and "Traceback" not in res.output
+
+
+def test_eval_unknown_plan_and_bad_length_are_clear_errors(engine):
+    res = run_eval(engine, "--plans", "int3")
+    assert res.exit_code == 2 and "int3" in res.output and "engine" in res.output
+    res = run_eval(engine, "--passkey", "5x")
+    assert res.exit_code == 2 and "5x" in res.output
+
+
+def test_fp16_kv_format_stores_fp16_for_an_fp32_model(engine, tmp_path):
+    """recipe kv_cache.format fp16 (no KV plan) must give an FP16 cache, not one in the model's dtype."""
+    eng = tmp_path / "e"
+    shutil.copytree(engine / "verifier", eng / "verifier")
+    (eng / "recipe.yaml").write_text("kv_cache: {format: fp16, page_size: 16}\nlimits: {max_seq_len: 64}\n")
+    gen = Generator.from_engine(eng)
+    assert gen.verifier.dtype == torch.float32
+    assert gen.vkv.store.dtype == torch.float16 and gen.vkv.store.k.dtype == torch.float16
+
+
+def test_engine_tokenizer_keeps_the_chat_template(tmp_path):
+    """Passkey prompts go through the chat template, which transformers 5 saves in its own file."""
+    from bpcompile.build import _copy_tokenizer
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, src / f)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    _copy_tokenizer(src, tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"
