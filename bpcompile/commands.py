@@ -75,7 +75,7 @@ def _lengths(ctx, param, value):
 @click.option("--sequences", default=16, show_default=True, type=click.IntRange(1), help="Windows of the text.")
 @click.option("--length", default=256, show_default=True, type=click.IntRange(2), help="Tokens per window.")
 @click.option("--plans", default=None, help="Comma-separated rows to evaluate (FP16 always): fp8, int8, "
-              "int4-naive, 'int4+fp8 8%', engine [default: all].")
+              "int4-naive, 'int4+fp8 8%', 'unrotated int4+fp8 8%', engine [default: all but the unrotated row].")
 @click.option("--passkey", "passkey", default="", callback=_lengths,
               help="Passkey-retrieval prompt lengths in tokens, e.g. 512,1k,2k,4k [default: none].")
 @click.option("--passkey-trials", default=100, show_default=True, type=click.IntRange(1))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +30,7 @@ from .model import Llama, causal_attend
 
 PAGE = 16
 STANDARD_FRACTIONS = (0.0, 0.04, 0.08, 0.16)
+UNROTATED = "unrotated int4+fp8 8%"  # the plan without the Hadamard rotation (rotation: none)
 
 
 def allocated_compression(plan: KVPlan, model_cfg, num_pages: int = 256, page_size: int = PAGE) -> float:
@@ -244,6 +247,11 @@ def decode_logits(verifier: Llama, prefix_kv: list, tail: list[int], plan: KVPla
     return verifier.forward(torch.tensor([tail], device=dev), new[None], attend=attend)[0]
 
 
+def _progress(msg: str) -> None:
+    """Long evaluation stages report on stderr (stdout carries the report)."""
+    print(f"bpcompile eval: {msg}", file=sys.stderr, flush=True)
+
+
 def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, seed: int = 0) -> dict:
     """Per plan and length: share of trials whose key tokens are all the argmax after the answer prefix
     (teacher-forced, hence identical to greedy generation reproducing the key). The prompt is prefilled
@@ -254,7 +262,10 @@ def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, se
     for L in lengths:
         hits = dict.fromkeys(plans, 0)
         ts = passkey_trials(tok, L, trials, seed)
-        for t in ts:
+        t0 = time.perf_counter()
+        for i, t in enumerate(ts):
+            if i and i % 10 == 0:
+                _progress(f"passkey {L}: {i}/{len(ts)} trials ({time.perf_counter() - t0:.0f}s)")
             ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
             kv = _prefix_kv(verifier, ids[:P])
             for name, plan in plans.items():
@@ -277,6 +288,7 @@ def greedy_parity(verifier: Llama, plans: dict, prompts: list[list[int]], tokens
     plans = _as_plans(verifier, {"fp16": "fp16", **plans})
     outs = {}
     for name, plan in plans.items():
+        _progress(f"parity: {name} ({len(prompts)} prompts x {tokens} tokens)")
         gen = Generator(verifier, None, TreeSpec("none"), max_batch_size=max(1, min(batch, len(prompts))),
                         max_seq_len=max(map(len, prompts)) + tokens + 1, kv_store_factory=kv_store_factory(plan),
                         device=str(verifier.device))
@@ -371,6 +383,10 @@ def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: 
         all_plans = standard_plans(verifier, calibration_samples(tok, calib_n, calib_length), gs)
     else:  # no sweep row asked for: skip its calibration pass
         all_plans = {"fp16": "fp16", "fp8": "fp8", "int8": "int8", "int4-naive": "int4-naive"}
+    if plans and UNROTATED in plans:  # the format before rotation, for comparison (its own calibration pass)
+        m = measure_units(verifier, calibration_samples(tok, calib_n, calib_length),
+                          KVCalibConfig(group_size=gs, rotation="none"))
+        all_plans[UNROTATED] = plan_from_measurement(m, verifier.cfg, 0.08)[0]
     if own is not None:
         all_plans[f"engine plan ({own.format})"] = own
     chosen = _pick(all_plans, plans)

@@ -39,6 +39,11 @@ class KVStore:
         """Dequantized K, V for slots [N] -> each [N, num_kv_heads, head_size] in the compute dtype."""
         raise NotImplementedError
 
+    def write_read(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """write(), then what read() of those slots returns (a store may decode without reading back)."""
+        self.write(layer, slots, k, v)
+        return self.read(layer, slots)
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the stored bytes (payload and scales) of slots src[N] to dst[N], in every layer.
 
@@ -399,14 +404,15 @@ class QuantKVStore(KVStore):
         # what the kernels multiply dequantized keys by: with a transform the channel scale is folded into the
         # query instead (kernel_query), and the kernels see ones
         self.kernel_k_channel_scale = torch.ones_like(self.k_channel_scale) if self.transformed else self.k_channel_scale
-        # (layer, kv) -> [(precision, head ids, pool indices)] so write/read do one gather per precision
+        # layer -> [(precision, unit ids on the stacked K|V axis (kv * KV + head), pool indices, INT4 clip)]:
+        # write/read handle K and V of a layer together, one gather per precision (small ops dominate on CPU)
         self._groups = {}
         for layer in range(L):
-            for kv in range(2):
-                prec = self.unit_precision[layer, kv].cpu()
-                self._groups[layer, kv] = [
-                    (c, heads.to(dev), self.unit_index[layer, kv, heads.to(dev)].long())
-                    for c in (INT4, FP8, INT8) if len(heads := (prec == c).nonzero().flatten()) > 0]
+            prec = self.unit_precision[layer].flatten().cpu()
+            self._groups[layer] = [
+                (c, units.to(dev), self.unit_index[layer].flatten()[units.to(dev)].long(),
+                 self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
+                for c in (INT4, FP8, INT8) if len(units := (prec == c).nonzero().flatten()) > 0]
 
     def pools(self) -> list[torch.Tensor]:
         return [self.q4, self.s4, self.q8, self.s8, self.qi8, self.si8]
@@ -414,21 +420,31 @@ class QuantKVStore(KVStore):
     def _split(self, slots):
         return slots // self.page_size, slots % self.page_size
 
-    def _quantize(self, x: torch.Tensor, layer: int, kv: int, p, o) -> None:
-        for c, heads, idx in self._groups[layer, kv]:
-            xs = x[:, heads]
+    def _quantize(self, x: torch.Tensor, layer: int, p, o, out: Optional[torch.Tensor] = None) -> None:
+        """x [N, 2 * KV, D]: K units then V units of one layer, transformed. out (same shape): also receives what
+        a read of these slots returns, decoded from the codes just made (no gather from the pools)."""
+        for c, units, idx, clip in self._groups[layer]:
+            xs = x[:, units]
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
             if c == INT4:
-                clip = self.int4_clip[layer, kv, heads][None, :, None]
-                self.q4[pi, ii, oi], self.s4[pi, ii, oi] = quantize_int4(xs, self.G, clip)
+                q, sc = quantize_int4(xs, self.G, clip)
+                self.q4[pi, ii, oi], self.s4[pi, ii, oi] = q, sc
+                dec = dequantize_int4
             elif c == FP8:
-                self.q8[pi, ii, oi], self.s8[pi, ii, oi] = quantize_fp8(xs, self.G)
+                q, sc = quantize_fp8(xs, self.G)
+                self.q8[pi, ii, oi], self.s8[pi, ii, oi] = q, sc
+                dec = dequantize_fp8
             else:
-                self.qi8[pi, ii, oi], self.si8[pi, ii, oi] = quantize_int8(xs, self.G)
+                q, sc = quantize_int8(xs, self.G)
+                self.qi8[pi, ii, oi], self.si8[pi, ii, oi] = q, sc
+                dec = dequantize_int8
+            if out is not None:
+                out[:, units] = dec(q, sc, self.G)
 
-    def _dequantize(self, layer: int, kv: int, p, o) -> torch.Tensor:
-        out = torch.empty(len(p), self.num_kv_heads, self.head_size, dtype=torch.float32, device=p.device)
-        for c, heads, idx in self._groups[layer, kv]:
+    def _dequantize(self, layer: int, p, o) -> torch.Tensor:
+        """-> [N, 2 * KV, D]: K units then V units of one layer, in the transformed basis."""
+        out = torch.empty(len(p), 2 * self.num_kv_heads, self.head_size, dtype=torch.float32, device=p.device)
+        for c, heads, idx, _ in self._groups[layer]:
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
             if c == INT4:
                 out[:, heads] = dequantize_int4(self.q4[pi, ii, oi], self.s4[pi, ii, oi], self.G)
@@ -446,15 +462,18 @@ class QuantKVStore(KVStore):
     def transform(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 1 of §3 for k, v [N, KV, D]: k -> ((k - k_mean) / c) @ H, v -> v @ H, in float32 (without a
         rotation H is the identity, without k_mean the mean is 0). The kernels quantize exactly these values."""
+        kv = self._transform(layer, k, v)
+        return kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]
+
+    def _transform(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """transform() as one [N, 2 * KV, D] tensor, K units then V units."""
         k = k.float()
         if self.k_mean is not None:
             k = k - self.k_mean[layer]
         if self._has_kcs:
             k = k / self.k_channel_scale[layer]
-        v = v.float()
-        if self._H is not None:
-            k, v = k @ self._H, v @ self._H
-        return k, v
+        kv = torch.cat([k, v.float()], dim=1)
+        return kv @ self._H if self._H is not None else kv
 
     def kernel_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [..., H, D] as kernels that attend over the transformed K/V directly take it: (q * c) @ H, float32.
@@ -472,15 +491,25 @@ class QuantKVStore(KVStore):
 
     def write(self, layer, slots, k, v):
         p, o = self._split(slots)
-        k, v = self.transform(layer, k, v)
-        self._quantize(k, layer, 0, p, o)
-        self._quantize(v, layer, 1, p, o)
+        self._quantize(self._transform(layer, k, v), layer, p, o)
+
+    def write_read(self, layer, slots, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """write(), returning what read(layer, slots) now gives (k, v [N, KV, D] in the compute dtype)."""
+        p, o = self._split(slots)
+        x = self._transform(layer, k, v)
+        out = torch.empty_like(x)
+        self._quantize(x, layer, p, o, out)
+        return self._untransform(layer, out)
 
     def read(self, layer, slots):
         p, o = self._split(slots)
-        k, v = self._dequantize(layer, 0, p, o), self._dequantize(layer, 1, p, o)
+        return self._untransform(layer, self._dequantize(layer, p, o))
+
+    def _untransform(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 2 * KV, D] in the stored basis -> k, v [N, KV, D] as the model sees them, in the compute dtype."""
         if self._H is not None:
-            k, v = k @ self._H, v @ self._H
+            kv = kv @ self._H
+        k, v = kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]
         if self._has_kcs:
             k = k * self.k_channel_scale[layer]
         if self.k_mean is not None:

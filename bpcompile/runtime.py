@@ -183,10 +183,13 @@ class PagedKV:
               dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
         view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N])."""
-        write_kv(self.store, layer, slots, k, v, self.kern)
-        if self.dense is not None:
-            d = self.store.dtype if self.dense.plain else None
-            self.dense.write(layer, *dense_at, *((k.to(d), v.to(d)) if d else self.store.read(layer, slots)))
+        if self.dense is None:
+            write_kv(self.store, layer, slots, k, v, self.kern)
+        elif self.dense.plain:
+            self.store.write(layer, slots, k, v)
+            self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
+        else:  # the store decodes what it just wrote (what a read of those slots would return)
+            self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v))
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, dense_at: Optional[tuple] = None) -> None:
         """Copy stored entries src -> dst (flat slots) in every layer; dense_at = (rows, src index, dst index)."""

@@ -188,6 +188,37 @@ def test_kv_compaction_matches_sequential(pair, kind):
     assert checked == 4
 
 
+def test_dense_view_of_a_quantized_cache_is_what_the_store_holds(pair):
+    """With a rotated mixed-precision cache the attention reads a dense copy that write_read fills by decoding the
+    codes it just made: after speculative steps (tree entries moved), it must equal store.read of the committed
+    slots, and greedy output must equal the gather-from-the-store path's (dense_kv=False)."""
+    from bpcompile.kvcache import KVPlan, kv_store_factory
+
+    c = pair[0].cfg
+    g = torch.Generator().manual_seed(3)
+    prec = [{"k": ["int4", "fp8"][:c.num_kv_heads] + ["int4"] * (c.num_kv_heads - 2), "v": ["int4"] * c.num_kv_heads}
+            for _ in range(c.num_layers)]
+    plan = KVPlan("int4-fp8-outlier", c.num_layers, c.num_kv_heads, c.head_size, c.head_size, prec,
+                  k_channel_scale=torch.rand(c.num_layers, c.num_kv_heads, c.head_size, generator=g) + 0.5,
+                  rotation="hadamard", k_mean=torch.randn(c.num_layers, c.num_kv_heads, c.head_size, generator=g))
+    outs = []
+    for dense in (True, False):
+        gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=2, page_size=4, backoff=False,
+                        kv_store_factory=kv_store_factory(plan), dense_kv=dense)
+        outs.append([t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))])
+        if dense:
+            gen.add_request(PROMPTS[2], SamplingParams(max_tokens=30), request_id="r")
+            for _ in range(5):
+                gen.step()
+            r, kv = gen.running["r"], gen.vkv
+            slots = torch.tensor([kv.slot("r", i) for i in range(r.v_len)])
+            for layer in range(c.num_layers):
+                ks, vs = kv.store.read(layer, slots)
+                dk, dv = kv.dense.read(layer, [kv.rows["r"]], r.v_len)
+                assert torch.equal(dk[0].transpose(0, 1), ks) and torch.equal(dv[0].transpose(0, 1), vs)
+    assert outs[0] == outs[1]
+
+
 # -------------------------------------------------------------------------------- batching & lifetime
 
 def test_inflight_batching_pages_and_cancel(pair):

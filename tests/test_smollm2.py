@@ -60,3 +60,34 @@ def test_recorded_heldout_agreement_recomputes():
     # the sample is representative of the recorded figure, and the draft is far from chance
     assert sum(got) / k == pytest.approx(m["top1_agreement"], abs=0.12)
     assert m["top1_agreement"] > 0.25  # the shipped draft: 0.28 on pydoc windows (weak: see docs/benchmarks/smollm2_pair.md)
+
+
+@needs_verifier
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
+    """On SmolLM2 with its shipped draft, tree speculation (FP16 KV) returns verifier-only decoding's tokens,
+    and the draft is good enough to be accepted at all (more than one token per verifier step)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from bpcompile.convert import convert_checkpoint
+    from bpcompile.model import Llama
+    from bpcompile.runtime import Generator, SamplingParams, TreeSpec, _default_factory
+
+    convert_checkpoint(VERIFIER, tmp_path / "v")
+    convert_checkpoint(DRAFT, tmp_path / "d")
+    v, d = Llama.from_checkpoint(tmp_path / "v"), Llama.from_checkpoint(tmp_path / "d")
+    tok = AutoTokenizer.from_pretrained(VERIFIER)
+    questions = ["What is a Python generator?", "Explain list comprehensions briefly.", "What does `with` do?"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q in questions]
+    fp16 = _default_factory(torch.float16)
+    p = SamplingParams(max_tokens=32)
+    plain = Generator(v, None, TreeSpec("none"), max_batch_size=3, max_seq_len=256, kv_store_factory=fp16)
+    ref = [t for t, _ in plain.generate(prompts, p)]
+    for tree in (TreeSpec("dynamic", nodes=5), TreeSpec("chain", length=3)):
+        gen = Generator(v, d, tree, max_batch_size=3, max_seq_len=256, kv_store_factory=fp16, backoff=False)
+        out = gen.generate(prompts, p)
+        assert [t for t, _ in out] == ref, tree
+        assert sum(s.tau for _, s in out) / len(out) > 1.2, tree
