@@ -14,7 +14,7 @@ a query-aware channel scale c = sqrt(rms(k - m) / rms(q)) per channel: it minimi
 error of the logits q·k (not of k) for isotropic error after the rotation, and the kernels fold c
 into q. Per unit the search picks the scale exponent and the INT4 clip ratio with the smallest
 layer-output error. The units with the largest remaining INT4 error take the outlier precision
-(FP8 by default; INT8 costs the same bytes and measured within noise of it on SmolLM2-135M),
+(FP8 by default; INT8 costs the same bytes and was within calibration noise of it on SmolLM2-135M),
 `round(outlier_fraction * units)` of them (at least one when the fraction is > 0);
 ties go to the lower unit id, so the plan is a pure function of the model and the samples.
 `rotation: none` is the previous recipe (pair-tied absmax key scale, FP8 outliers).

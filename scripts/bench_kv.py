@@ -154,7 +154,15 @@ def main():
     ap.add_argument("--ablations", action="store_true", help="also: no key scaling / no clip search at 8%%")
     ap.add_argument("--study", action="store_true", help="also: INT4 variants per unit, agreement vs logit margin")
     ap.add_argument("--json", help="write all reports here")
+    ap.add_argument("--bootstrap", nargs=3, metavar=("EVAL_JSON", "A", "B"),
+                    help="only: paired bootstrap of plan A minus plan B from a `bpcompile eval --json` report")
     a = ap.parse_args()
+    if a.bootstrap:
+        report = json.loads(Path(a.bootstrap[0]).read_text())
+        names = {r["name"] for r in report["rows"]}
+        pick = lambda want: next((n for n in names if n == want or n.startswith(want)), want)  # noqa: E731
+        print(paired_bootstrap(report, pick(a.bootstrap[1]), pick(a.bootstrap[2])))
+        return
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         convert_checkpoint(a.verifier, Path(tmp) / "ckpt")

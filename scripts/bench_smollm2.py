@@ -8,7 +8,7 @@ greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 wei
 threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
 bpcompile verifier-only with an FP16 cache and with the default KV plan (calibrated here on the builtin
 pydoc train split); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache); and
-speculation with a draft of random weights (back-off on). Runs are interleaved: each repeat times every row
+speculation with a draft of random weights (back-off on); speculative rows with and without back-off. Runs are interleaved: each repeat times every row
 on every prompt, rows in a rotated order, so drift hits all rows alike. A ratio is the median over repeats of
 (row's total time / the reference row's total time) inverted, with the min..max over repeats beside it.
 Greedy identity: every speculative row's tokens must equal verifier-only's (same FP16 cache) on every prompt.
@@ -112,8 +112,12 @@ def main() -> None:
         "hf_assisted": ("transformers assisted generation, shipped draft", hf(hv, hd)),
         "fp16": ("bpcompile verifier only, FP16 KV", ours(v, None, TreeSpec("none"), fp16)),
         "plan": ("bpcompile verifier only, default KV plan", ours(v, None, TreeSpec("none"), kv_store_factory(plan))),
-        "chain3": ("bpcompile chain 3, FP16 KV", ours(v, d, TreeSpec("chain", length=3), fp16)),
-        "dyn5": ("bpcompile dynamic tree 5, FP16 KV", ours(v, d, TreeSpec("dynamic", nodes=5), fp16)),
+        "chain3": ("bpcompile chain 3, FP16 KV, back-off", ours(v, d, TreeSpec("chain", length=3), fp16)),
+        "dyn5": ("bpcompile dynamic tree 5, FP16 KV, back-off", ours(v, d, TreeSpec("dynamic", nodes=5), fp16)),
+        "chain3_raw": ("bpcompile chain 3, FP16 KV, no back-off",
+                       ours(v, d, TreeSpec("chain", length=3), fp16, backoff=False)),
+        "dyn5_raw": ("bpcompile dynamic tree 5, FP16 KV, no back-off",
+                     ours(v, d, TreeSpec("dynamic", nodes=5), fp16, backoff=False)),
         "random": ("bpcompile dynamic tree 5, random-weight draft, back-off", ours(v, rnd, TreeSpec("dynamic", nodes=5), fp16)),
     }
     if a.rows != "all":
@@ -143,7 +147,7 @@ def main() -> None:
         return statistics.median(rs), min(rs), max(rs)
 
     identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps)))
-                 for k in keys if k in ("chain3", "dyn5", "random")}
+                 for k in keys if k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "random")}
     n_tok = a.max_tokens * len(ps)
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
              f"weights, {a.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}",
@@ -155,7 +159,7 @@ def main() -> None:
         lines.append(f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
                      f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |")
     if "hf_assisted" in keys:
-        for k in ("chain3", "dyn5"):
+        for k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw"):
             if k in keys:
                 r = ratio(k, "hf_assisted")
                 lines.append(f"\n{rows[k][0]} vs transformers assisted generation: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})")
