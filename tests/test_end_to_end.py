@@ -57,3 +57,8 @@ def test_eval_and_generate_on_the_built_engine(engine):
     res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "The import statement", "--max-tokens", "8",
                                     "--json"])
     assert res.exit_code == 0, res.output
+    # the engine's directory (not a version) means its newest version: the same greedy tokens
+    again = CliRunner().invoke(main, ["generate", str(Path(out["path"]).parent), "--prompt", "The import statement",
+                                      "--max-tokens", "8", "--json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["tokens"] == json.loads(res.stdout)["tokens"]
