@@ -91,3 +91,33 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
         out = gen.generate(prompts, p)
         assert [t for t, _ in out] == ref, tree
         assert sum(s.tau for _, s in out) / len(out) > 1.2, tree
+
+
+@needs_verifier
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_recipe_builds_and_answers(tmp_path):
+    """The README's first command, with the outputs moved to a temporary directory: the recipe builds (rotated
+    plan at >= 3.5x from allocated bytes, kernels compiled) and the engine answers a chat question."""
+    import yaml
+    from click.testing import CliRunner
+
+    from bpcompile.cli import main
+    from bpcompile.kvcache import KVPlan
+
+    recipe = yaml.safe_load((ROOT / "recipes" / "smollm2.yaml").read_text())
+    recipe["models"]["verifier"]["path"] = str(VERIFIER)
+    recipe["models"]["draft"]["path"] = str(DRAFT)
+    recipe["output"] = {"store": str(tmp_path / "engines"), "triton_repo": str(tmp_path / "repo")}
+    (tmp_path / "smollm2.yaml").write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(main, ["build", str(tmp_path / "smollm2.yaml"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    plan = KVPlan.load(Path(out["path"]) / "kv_plan")
+    assert plan.rotation == "hadamard" and plan.compression_vs_fp16() >= 3.5
+    assert sum(x == "fp8" for layer in plan.precision for t in "kv" for x in layer[t]) == 14  # 8% of 180 units
+    res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "What is the capital of France?",
+                                    "--max-tokens", "16", "--json"])
+    assert res.exit_code == 0, res.output
+    gen = json.loads(res.stdout)
+    assert gen["chat_template"] and "Paris" in gen["text"], gen["text"]
