@@ -175,10 +175,11 @@ PASSKEY_ANSWER = "The pass key is"
 
 
 def _chat(tok, user: str) -> str:
-    """The user turn through the tokenizer's chat template (ending where the assistant's answer starts)."""
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
-    return user + "\n"
+    """The user turn through the tokenizer's chat template; a model without one gets the bare text."""
+    from .runtime import chat_turn
+
+    turn = chat_turn(tok, user)
+    return turn if turn is not None else user + "\n"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -802,26 +802,25 @@ class IncrementalDetokenizer:
         return text
 
 
-def chat_prompt(tokenizer_dir: Path, user: str) -> Optional[str]:
-    """`user` as one user turn through the tokenizer's chat template, ready for the assistant's answer; None when
-    the tokenizer has no template. Rendered with jinja2 in a sandbox (as transformers renders these templates)."""
-    tdir = Path(tokenizer_dir)
-    template = None
-    if (tdir / "chat_template.jinja").is_file():
-        template = (tdir / "chat_template.jinja").read_text(encoding="utf-8")
-    elif (tdir / "tokenizer_config.json").is_file():
-        template = json.loads((tdir / "tokenizer_config.json").read_text()).get("chat_template")
-    if not isinstance(template, str):
+def chat_turn(tok, user: str) -> Optional[str]:
+    """`user` as one user turn through a transformers tokenizer's chat template, ending where the assistant's
+    answer starts; None when the tokenizer has no template."""
+    if not getattr(tok, "chat_template", None):
         return None
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
 
+
+def chat_prompt(tokenizer_dir: Path, user: str) -> Optional[str]:
+    """chat_turn with the engine's tokenizer directory (transformers renders the template, helpers included)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
     try:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=[{"role": "user", "content": user}],
-                                                add_generation_prompt=True, bos_token="", eos_token="")
-    except TemplateError as e:
-        raise UserError(f"the chat template does not render: {e} (use --raw)", file=str(tdir)) from None
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        return chat_turn(tok, user)
+    except Exception as e:  # a template that does not render is the user's input, not our crash
+        raise UserError(f"the chat template does not render: {e} (use --raw)", file=str(tokenizer_dir)) from None
 
 
 def generate_cli(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optional[str] = None,
