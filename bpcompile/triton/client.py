@@ -219,9 +219,14 @@ def generate_remote(url: str, prompt: str, max_tokens: int = 64, stream: bool = 
         r = _grpc_one(c, model, fields, col, timeout)
         done = True
         return r
+    except RemoteError:
+        done = True  # the server failed the request itself: there is nothing left to cancel
+        raise
     finally:
-        # Cancel only what is unfinished: a cancellation racing a request's completion can leave the ensemble
-        # request behind in tritonserver 2.51 (seen: the server then cannot unload models at exit).
+        # Cancel only what is unfinished (a timeout, an interrupt): a cancellation racing a request's completion,
+        # an error response's included, can leave the ensemble request behind in tritonserver 2.51 (seen: the
+        # server then cannot unload the ensemble at exit and exits 1). Without cancelling, closing the stream
+        # waits for the server to end it.
         c.stop_stream(cancel_requests=not done)
         c.close()
 
