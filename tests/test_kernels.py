@@ -311,15 +311,15 @@ def test_compile_engine_kernels_sm90a(tmp_path, monkeypatch):
     assert attn["constexprs"]["R"] == 2 and attn["constexprs"]["GS"] == 64 and attn["constexprs"]["PAGE"] == 16
     header = (out / "bp_paged_attention_decode_fp16.h").read_text()
     assert "bp_paged_attention_decode_fp16_launch(CUstream stream, unsigned int gridX" in header
-    check = kj["launcher_check"]
-    if K.find_cuda_include() is not None:
-        assert check["status"] == "ok", check  # the generated C launchers compiled against cuda.h
-    else:
-        assert check["status"] == "skipped" and check["reason"]
     # second build: from the cache, same artifacts (kernels.json carries no timestamps)
     out2 = tmp_path / "kernels2"
     res2 = K.compile_engine_kernels(stage, _recipe(), out2)
     assert res2["cached"] and (out2 / "kernels.json").read_text() == (out / "kernels.json").read_text()
+    check = kj["launcher_check"]
+    if K.find_cuda_include() is None:
+        assert check["status"] == "skipped" and check["reason"]
+        pytest.skip("no cuda.h here: the generated C launchers were not compiled")
+    assert check["status"] == "ok", check  # the generated C launchers compiled against cuda.h
 
 
 def test_compile_engine_kernels_skips_unsupported_shape(tmp_path):
@@ -343,10 +343,6 @@ def test_trt_plugin_is_not_pretended(tmp_path, monkeypatch):
         pytest.skip("TensorRT is installed here: the plugin build itself is exercised instead")
     src = K.PLUGIN_SRC
     assert (src / "CMakeLists.txt").is_file() and (src / "src" / "bpcompile_plugins.cpp").is_file()
-    code = (src / "src" / "bpcompile_plugins.cpp").read_text()
-    for needle in ("IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime", "IPluginCreatorV3One",
-                   '"bpcompile"', "getCreators", "registerCreator"):
-        assert needle in code
     kdir = tmp_path / "kernels"
     kdir.mkdir()
     (kdir / "kernels.json").write_text(json.dumps({"status": "compiled"}))

@@ -29,13 +29,15 @@ def run(*args):
 def test_valid_recipe_loads_with_defaults(tmp_path, pair):
     loaded = load_recipe(write_recipe(tmp_path / "r.yaml", *pair))
     assert loaded.recipe.speculative.tree == "dynamic" and loaded.recipe.speculative.nodes == 5
-    assert loaded.recipe.kv_cache.outlier_fraction == 0.08 or loaded.recipe.kv_cache.format == "fp16"
+    kv = loaded.recipe.kv_cache  # the recipe names only the format: every other key is its default
+    assert kv.format == "fp16" and (kv.outlier_fraction, kv.group_size, kv.page_size) == (0.08, 64, 16)
+    assert (kv.rotation, kv.outlier_precision, loaded.recipe.speculative.backoff) == ("auto", "fp8", True)
     code, out = run("validate", tmp_path / "r.yaml")
     assert code == 0, out
 
 
 def test_shipped_recipes_parse():
-    for name in ("tiny.yaml", "70b.yaml"):
+    for name in ("tiny.yaml", "70b.yaml", "smollm2.yaml"):
         r, _ = parse_recipe(REPO / "recipes" / name)
         assert r.kv_cache.format == "int4-fp8-outlier"
 
