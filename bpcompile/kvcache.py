@@ -173,9 +173,15 @@ def quantize_int4(x: torch.Tensor, group_size: int, clip=1.0) -> tuple[torch.Ten
     KV-induced KL by about a fifth. x [..., D] -> (packed uint8 [..., D/2], scales fp16 [..., D/G]).
     clip: float or tensor broadcastable to [..., D/G] (the per-unit static clip ratio).
     """
-    xg, s = _scales(x, group_size, INT4_STEPS, clip)
-    n = torch.floor(_divide(xg, s) + 8.0).clamp(0, 15)
+    n, s = _int4_levels(x, group_size, clip)
     return pack_int4(n.reshape(x.shape)), s
+
+
+def _int4_levels(x: torch.Tensor, group_size: int, clip=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int4 before packing: nibble values as float32, grouped [..., D/G, G], and the fp16 scales.
+    (n - 7.5) * s of them is exactly what dequantize_int4 of the packed bytes gives."""
+    xg, s = _scales(x, group_size, INT4_STEPS, clip)
+    return torch.floor(_divide(xg, s) + 8.0).clamp_(0, 15), s
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -444,14 +450,22 @@ class QuantKVStore(KVStore):
     def _quantize(self, x: torch.Tensor, layer: int, p, o, out: Optional[torch.Tensor] = None) -> None:
         """x [N, 2 * KV, D]: K units then V units of one layer, transformed. out (same shape): also receives what
         a read of these slots returns, decoded from the codes just made (no gather from the pools)."""
-        for c, units, idx, clip in self._groups[layer]:
-            xs = x[:, units]
+        groups = self._groups[layer]
+        whole = len(groups) == 1  # every unit of the layer in one precision: no gather, no scatter
+        for c, units, idx, clip in groups:
+            xs = x if whole else x[:, units]
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
             if c == INT4:
-                q, sc = quantize_int4(xs, self.G, clip)
-                self.q4[pi, ii, oi], self.s4[pi, ii, oi] = q, sc
-                dec = dequantize_int4
-            elif c == FP8:
+                n, sc = _int4_levels(xs, self.G, clip)
+                self.q4[pi, ii, oi], self.s4[pi, ii, oi] = pack_int4(n.reshape(xs.shape)), sc
+                if out is not None:  # what dequantize_int4 of the bytes just stored gives, without unpacking them
+                    dec = ((n - INT4_STEPS) * sc.float()[..., None]).reshape(xs.shape)
+                    if whole:
+                        out.copy_(dec)
+                    else:
+                        out[:, units] = dec
+                continue
+            if c == FP8:
                 q, sc = quantize_fp8(xs, self.G)
                 self.q8[pi, ii, oi], self.s8[pi, ii, oi] = q, sc
                 dec = dequantize_fp8
