@@ -100,7 +100,7 @@ def _quantize_append_kernel(
     in_hi = (((j + HALF) // GS)[None, :] == g[:, None])[None, :, :]
     amax = tl.maximum(tl.max(tl.where(in_lo, tl.abs(x_lo)[:, None, :], 0.0), axis=2),
                       tl.max(tl.where(in_hi, tl.abs(x_hi)[:, None, :], 0.0), axis=2))  # [T, NG]
-    qmax = tl.where(prec == 0, 7.5, tl.where(prec == 1, 448.0, 127.0))
+    qmax = tl.where(prec == 0, 7.0, tl.where(prec == 1, 448.0, 127.0))
     amax = tl.where(prec == 0, clip * amax, amax)  # the clip ratio applies to INT4 units only
     s = tl.minimum(tl.math.div_rn(amax, qmax), 65504.0).to(tl.float16)  # fp16(...), RNE, saturating
     sf = s.to(tl.float32)
@@ -112,9 +112,9 @@ def _quantize_append_kernel(
 
     if prec == 0:
         base = (page * U4 + idx) * PAGE + off
-        # the nearest of the 16 levels (n - 7.5) * s: n = clamp(floor(y + 8), 0, 15)
-        n_lo = tl.minimum(tl.maximum(tl.floor(y_lo + 8.0), 0.0), 15.0).to(tl.int32)
-        n_hi = tl.minimum(tl.maximum(tl.floor(y_hi + 8.0), 0.0), 15.0).to(tl.int32)
+        # clamp then round half to even with the 1.5 * 2^23 trick (|y| <= 7, exact in fp32)
+        n_lo = ((tl.minimum(tl.maximum(y_lo, -7.0), 7.0) + 12582912.0) - 12582912.0 + 8.0).to(tl.int32)
+        n_hi = ((tl.minimum(tl.maximum(y_hi, -7.0), 7.0) + 12582912.0) - 12582912.0 + 8.0).to(tl.int32)
         tl.store(q4 + base[:, None] * HALF + j[None, :], (n_lo | (n_hi << 4)).to(tl.uint8), mask=m2)
         tl.store(s4 + base[:, None] * NG + g[None, :], s, mask=m2)
     elif prec == 1:
@@ -231,9 +231,9 @@ def _paged_attention_kernel(
         kb = k_pay + (krow * k_rb)[:, None] + j[None, :]
         b_lo = tl.load(kb, mask=m2, other=0)
         b_hi = tl.load(kb + k_ho, mask=m2, other=0)
-        if kprec == 0:  # nibble n -> fp16 1024 + n by bit pattern, minus 1032 = n - 8, plus 0.5 (all exact in fp16)
-            k_lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0 + 0.5
-            k_hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0 + 0.5
+        if kprec == 0:  # nibble n -> fp16 1024 + n by bit pattern, minus 1032 = n - 8 (no int->float convert)
+            k_lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+            k_hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
         elif kprec == 1:
             k_lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             k_hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -274,8 +274,8 @@ def _paged_attention_kernel(
         b_lo = tl.load(vb, mask=m2, other=0)
         b_hi = tl.load(vb + v_ho, mask=m2, other=0)
         if vprec == 0:
-            v_lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0 + 0.5
-            v_hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0 + 0.5
+            v_lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+            v_hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
         elif vprec == 1:
             v_lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             v_hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)

@@ -161,31 +161,32 @@ def unpack_int4(b: torch.Tensor) -> torch.Tensor:
     return torch.cat((b & 0xF, b >> 4), dim=-1)
 
 
-INT4_STEPS = 7.5  # amax / s: the 16 levels (n - 7.5) * s, n = 0..15, span [-amax, amax]
+INT4_ZERO = 8.0  # nibble of 0: nibble n holds the level n - 8 (n = 1..15; 0 is never written)
 
 
 def quantize_int4(x: torch.Tensor, group_size: int, clip=1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT4 on 16 levels: s = fp16(clip*absmax/7.5), nibble n = clamp(floor(x/s + 8), 0, 15), the
-    nearest of the levels (n - 7.5) * s (a tie goes to the upper one).
+    """Symmetric INT4: s = fp16(clip*absmax/7), q = clamp(rne(x/s), -7, 7), nibble = q + 8.
 
-    All 16 codes carry a value and the grid has no zero: at the same bytes its step is 7/7.5 of the 15-level
-    grid with a zero (q in -7..7), and on a real model (SmolLM2-135M, rotated keys and values) that cut the
-    KV-induced KL by about a fifth. x [..., D] -> (packed uint8 [..., D/2], scales fp16 [..., D/G]).
-    clip: float or tensor broadcastable to [..., D/G] (the per-unit static clip ratio).
+    x [..., D] -> (packed uint8 [..., D/2], scales fp16 [..., D/G]). clip: float or tensor
+    broadcastable to [..., D/G] (the per-unit static clip ratio).
+
+    A 16-level grid without a zero ((n - 7.5) s, same bytes) was measured on SmolLM2-135M (rotated plan): lower
+    KL on held-out text (-0.0037, interval excluding 0) but passkey retrieval at 1k tokens fell from 150/150 to
+    141/150 on the same trials (9 discordant pairs, all one way), so the grid keeps its zero.
     """
     n, s = _int4_levels(x, group_size, clip)
     return pack_int4(n.reshape(x.shape)), s
 
 
 def _int4_levels(x: torch.Tensor, group_size: int, clip=1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_int4 before packing: nibble values as float32, grouped [..., D/G, G], and the fp16 scales.
-    (n - 7.5) * s of them is exactly what dequantize_int4 of the packed bytes gives."""
-    xg, s = _scales(x, group_size, INT4_STEPS, clip)
-    return torch.floor(_divide(xg, s) + 8.0).clamp_(0, 15), s
+    """quantize_int4 before packing: nibbles as float32, grouped [..., D/G, G], and the fp16 scales.
+    (n - 8) * s of them is exactly what dequantize_int4 of the packed bytes gives."""
+    xg, s = _scales(x, group_size, 7.0, clip)
+    return round_half_even(_divide(xg, s)).clamp_(-7, 7).add_(INT4_ZERO), s
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    q = unpack_int4(packed).float() - INT4_STEPS
+    q = unpack_int4(packed).float() - INT4_ZERO
     return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
 
 
@@ -459,7 +460,7 @@ class QuantKVStore(KVStore):
                 n, sc = _int4_levels(xs, self.G, clip)
                 self.q4[pi, ii, oi], self.s4[pi, ii, oi] = pack_int4(n.reshape(xs.shape)), sc
                 if out is not None:  # what dequantize_int4 of the bytes just stored gives, without unpacking them
-                    dec = ((n - INT4_STEPS) * sc.float()[..., None]).reshape(xs.shape)
+                    dec = ((n - INT4_ZERO) * sc.float()[..., None]).reshape(xs.shape)
                     if whole:
                         out.copy_(dec)
                     else:

@@ -31,17 +31,17 @@ def test_int4_codes_and_error_bound():
     packed, s = quantize_int4(x, 32)
     assert packed.shape == (64, 3, 32) and s.shape == (64, 3, 2) and s.dtype == torch.float16
     nib = unpack_int4(packed)
-    assert nib.min() == 0 and nib.max() == 15  # 16 levels, all used
+    assert nib.min() == 1 and nib.max() == 15  # offset binary, q in [-7, 7]
     assert s[0, 0, 0] == 0 and (nib[0, 0, :32] == 8).all()
     y = dequantize_int4(packed, s, 32)
-    # each value is the nearest of the 16 levels (n - 7.5) * s, found here by brute force
+    # each value is the nearest of the 15 levels q * s, q = -7..7, found here by brute force
     sg = s.float().repeat_interleave(32, -1)
-    levels = (torch.arange(16).float() - 7.5)[None, None, None, :] * sg[..., None]
+    levels = torch.arange(-7, 8).float()[None, None, None, :] * sg[..., None]
     nearest = levels.gather(-1, (x[..., None] - levels).abs().argmin(-1, keepdim=True))[..., 0]
     assert torch.equal(y, nearest)
     err = (y - x).abs().reshape(64, 3, 2, 32)
     amax = x.abs().reshape(64, 3, 2, 32).amax(-1, keepdim=True)
-    # half a step, plus what rounding the scale to fp16 can push past the outer levels at ±7.5 s
+    # half a step, plus what rounding the scale to fp16 can push past the clamp at ±7
     assert (err <= s.float()[..., None] / 2 + amax * 2 ** -10).all()
     # the plain bound holds away from the group maximum
     inner = x.abs().reshape(64, 3, 2, 32) < 0.9 * amax
@@ -49,11 +49,11 @@ def test_int4_codes_and_error_bound():
 
 
 def test_int4_clip_saturates():
-    x = torch.tensor([[15.0, 1.0, -2.0, 0.5]])
+    x = torch.tensor([[14.0, 1.0, -2.5, 0.5]])
     packed, s = quantize_int4(x, 4, clip=0.5)
-    assert s.item() == 1.0  # 0.5 * 15 / 7.5
-    # x / s = 15 (saturates at the top level), 1 and -2 (ties: the upper level), 0.5 (a level)
-    assert (unpack_int4(packed).float() - 7.5).tolist() == [[7.5, 1.5, -1.5, 0.5]]
+    assert s.item() == 1.0  # 0.5 * 14 / 7
+    # x / s = 14 (saturates at 7), 1, -2.5 and 0.5 (ties: to even)
+    assert (unpack_int4(packed).int() - 8).tolist() == [[7, 1, -2, 0]]
 
 
 def _e4m3_probe_values() -> torch.Tensor:
