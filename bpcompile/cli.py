@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .errors import UserError
+from bpcompile.core.errors import UserError
 
 err = Console(stderr=True, highlight=False)
 
@@ -84,7 +84,7 @@ class _RichProgress:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
 def build(recipe, force, as_json):
     """Build RECIPE into a new engine version (and its Triton repository)."""
-    from .build import Reporter, build as do_build
+    from bpcompile.build.pipeline import Reporter, build as do_build
 
     with _RichProgress() as prog:
         rep = Reporter(log=lambda s: err.print(s, markup=False, soft_wrap=True), progress=prog.factory)
@@ -103,7 +103,7 @@ def build(recipe, force, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def validate(recipe, as_json):
     """Check RECIPE (types, paths, checkpoints, tokenizers, parallelism) without building."""
-    from .recipe import load_recipe
+    from bpcompile.build.recipe import load_recipe
 
     loaded = load_recipe(recipe)
     if as_json:
@@ -117,7 +117,7 @@ def validate(recipe, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def inspect(path, as_json):
     """Describe PATH: an engine version, a converted checkpoint or an HF checkpoint."""
-    from .info import inspect_path
+    from bpcompile.info import inspect_path
 
     info = inspect_path(path)
     if as_json:
@@ -147,7 +147,7 @@ def inspect(path, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def list_(store, as_json):
     """List engine versions in STORE (default ./engines)."""
-    from .store import EngineStore
+    from bpcompile.core.store import EngineStore
 
     s = EngineStore(store)
     rows = [{"name": v.name, "version": v.version, "build_id": v.build_id, "published": v.manifest.get("published"),
@@ -166,7 +166,7 @@ def list_(store, as_json):
 
 def _register_optional():
     """Commands whose implementation lives in a stage module (runtime, eval, serving)."""
-    from . import commands
+    from bpcompile import commands
 
     for cmd in commands.COMMANDS:
         main.add_command(cmd)

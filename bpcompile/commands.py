@@ -2,27 +2,16 @@
 stays fast and a missing optional dependency only affects the command that needs it)."""
 from __future__ import annotations
 
+
 import json
+import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import click
 
-
-def _engine_dir(ref: str) -> Path:
-    """ENGINE may be a version directory or `name[/N]` in ./engines."""
-    from .errors import UserError
-    from .store import EngineStore
-
-    p = Path(ref)
-    if (p / "manifest.json").is_file():
-        return p
-    try:
-        if p.is_dir() and p.parent != Path("."):  # an engine's directory in any store: its newest version
-            return EngineStore(p.parent).resolve(p.name).path
-        return EngineStore("engines").resolve(ref).path
-    except (FileNotFoundError, ValueError):
-        raise UserError(f"no engine version at {ref!r} (give a version directory such as engines/tiny/1, "
-                        "or NAME[/N] of ./engines)") from None
+from bpcompile.core.store import engine_version_dir
 
 
 @click.command()
@@ -39,18 +28,17 @@ def _engine_dir(ref: str) -> Path:
 @click.option("--json", "as_json", is_flag=True)
 def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, as_json):
     """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
-    from .errors import UserError
+    from bpcompile.core.errors import UserError
 
     if url:
-        from .triton.client import generate_remote_cli
+        from bpcompile.serving.client import generate_remote_cli
 
         generate_remote_cli(url, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, json_out=as_json)
         return
     if not engine:
         raise UserError("give an ENGINE (a version directory such as engines/tiny/1) or --url of a running server")
-    from .runtime import generate_cli
 
-    generate_cli(_engine_dir(engine), prompt, max_tokens=max_tokens, tree=tree, no_speculation=no_speculation,
+    generate_text(engine_version_dir(engine), prompt, max_tokens=max_tokens, tree=tree, no_speculation=no_speculation,
                  temperature=temperature, seed=seed, json_out=as_json, chat=chat)
 
 
@@ -88,9 +76,9 @@ def eval_(engine, text, sequences, length, plans, passkey, passkey_trials, parit
           as_json):
     """KV-cache fidelity of ENGINE: perplexity, top-1 agreement and attention error per KV format; optionally
     passkey retrieval and greedy-continuation parity against FP16 KV."""
-    from .evaluate import evaluate_engine
+    from bpcompile.eval.evaluate import evaluate_engine
 
-    click.echo(evaluate_engine(_engine_dir(engine), json_out=as_json, text=text, n=sequences, length=length,
+    click.echo(evaluate_engine(engine_version_dir(engine), json_out=as_json, text=text, n=sequences, length=length,
                                plans=[p.strip() for p in plans.split(",") if p.strip()] if plans else None,
                                passkey_lengths=passkey, passkey_trials=passkey_trials,
                                parity_prompts=parity_prompts, parity_tokens=parity_tokens, seed=seed))
@@ -99,8 +87,64 @@ def eval_(engine, text, sequences, length, plans, passkey, passkey_trials, parit
 COMMANDS: list = [generate, eval_]
 
 try:  # serving commands: emit, serve, bench (their module imports tritonclient lazily too)
-    from .triton.cli import COMMANDS as _SERVING
+    from bpcompile.serving.cli import COMMANDS as _SERVING
 
     COMMANDS += _SERVING
 except ImportError:  # pragma: no cover - only while the serving package is absent
     pass
+
+
+def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optional[str] = None,
+                 no_speculation: bool = False, temperature: float = 0.0, seed: Optional[int] = None,
+                 json_out: bool = False, chat: bool = True) -> dict:
+    """`bpcompile generate`: stream tokens to stdout as they come, statistics at the end."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.speculative import TreeSpec, parse_tree_spec
+    from bpcompile.core.errors import UserError
+    from bpcompile.runtime.text import chat_prompt
+
+    d = Path(engine_dir)
+    tj = d / "tokenizer" / "tokenizer.json"
+    if not tj.is_file():
+        raise UserError(f"{d}: no tokenizer (expected {tj})")
+    tok = Tokenizer.from_file(str(tj))
+    end_id = None
+    tc = d / "tokenizer" / "tokenizer_config.json"
+    if tc.is_file():
+        eos = json.loads(tc.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+    spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
+    gen = Generator.from_engine(d, tree=spec)
+    templated = chat_prompt(d / "tokenizer", prompt_text) if chat else None
+    ids = tok.encode(templated if templated is not None else prompt_text).ids
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, end_id=end_id)
+    detok = DecodeStream(skip_special_tokens=True)  # holds a partial UTF-8 character back until it is whole
+    shown = []
+
+    def stream(_, new: list[int]) -> None:
+        shown.append("".join(filter(None, (detok.step(tok, t) for t in new))))
+        sys.stdout.write(shown[-1])
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    (out, stats), = gen.generate([ids], params, on_token=None if json_out else stream)
+    wall = time.perf_counter() - t0
+    result = {"tree": gen.tree.kind if gen.draft is not None else "none", "prompt_tokens": len(ids),
+              "chat_template": templated is not None,
+              "tokens": out, "text": tok.decode(out), "tokens_per_s": len(out) / wall if wall > 0 else None,
+              "wall_s": wall, "tau": stats.tau, "verifier_steps": stats.verifier_steps,
+              "accepted_per_depth": stats.accepted_per_depth, "proposed_per_depth": stats.proposed_per_depth,
+              "draft_s": stats.draft_s, "verify_s": stats.verify_s, "bookkeeping_s": stats.bookkeeping_s}
+    if json_out:
+        print(json.dumps(result, indent=2))
+    else:  # what the stream still held back: an incomplete character at the end shows as U+FFFD
+        sys.stdout.write(result["text"][len("".join(shown)):] + "\n")
+        print(f"[{len(out)} tokens in {wall:.2f}s = {result['tokens_per_s']:.1f} tok/s; tree {result['tree']}; "
+              f"tau {stats.tau:.2f} tokens/verifier step over {stats.verifier_steps} steps; accepted per depth "
+              f"{stats.accepted_per_depth} of {stats.proposed_per_depth}; draft {stats.draft_s:.2f}s, verify "
+              f"{stats.verify_s:.2f}s, bookkeeping {stats.bookkeeping_s:.2f}s]", file=sys.stderr)
+    return result

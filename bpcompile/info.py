@@ -9,9 +9,9 @@ from collections import Counter
 from math import prod
 from pathlib import Path
 
-from .errors import UserError
-from .hf import read_header
-from .store import MANIFEST, dir_size
+from bpcompile.core.errors import UserError
+from bpcompile.build.hf import read_header
+from bpcompile.core.store import MANIFEST, dir_size
 
 
 def shards_summary(d: Path) -> dict:

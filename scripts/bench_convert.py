@@ -27,7 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bpcompile.convert import RankWriter  # noqa: E402  (the same streaming writer the converter uses)
+from bpcompile.build.convert import RankWriter  # noqa: E402  (the same streaming writer the converter uses)
 
 # Llama-3-8B shapes
 HID, INTER, HEADS, KV, HEAD, VOCAB = 4096, 14336, 32, 8, 128, 128256
@@ -125,12 +125,12 @@ def main():
         nbytes = generate(src, args.layers)
         print(f"generated {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s: {src}", flush=True)
         shards = sorted(str(p) for p in src.glob("*.safetensors"))
-        conv = "from bpcompile.convert import convert_checkpoint as c; import sys; c(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]))"
+        conv = "from bpcompile.build.convert import convert_checkpoint as c; import sys; c(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]))"
         cmds = {
             "cp": lambda out: ["cp", *shards, str(out)],
             "convert tp=1": lambda out: [py, "-c", conv, str(src), str(out), "1"],
             "convert tp=2": lambda out: [py, "-c", conv, str(src), str(out), "2"],
-            "python + import only": lambda out: [py, "-c", "import bpcompile.convert"],
+            "python + import only": lambda out: [py, "-c", "import bpcompile.build.convert"],
         }
         res = {k: [] for k in cmds}
         for rep in range(args.reps):

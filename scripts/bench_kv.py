@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_kv.py                      # tables for docs/benchmarks/kv_cache.md
     .venv/bin/python scripts/bench_kv.py --ablations --json out.json
 
-Converts the verifier (bpcompile.convert), calibrates on the corpus train split, evaluates on the
+Converts the verifier (bpcompile.build.convert), calibrates on the corpus train split, evaluates on the
 held-out split: FP16 / FP8 / INT8 / naive INT4 / INT4 + FP8 outlier units at 0, 4, 8, 16%, on the model
 as shipped and on its outlier-injected (function-preserving) variant.
 """
@@ -20,11 +20,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bpcompile import corpus  # noqa: E402
-from bpcompile.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
-from bpcompile.convert import convert_checkpoint  # noqa: E402
-from bpcompile.evaluate import evaluate, inject_key_outliers, standard_plans  # noqa: E402
-from bpcompile.model import Llama  # noqa: E402
+from bpcompile.build import corpus
+from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
+from bpcompile.build.convert import convert_checkpoint  # noqa: E402
+from bpcompile.eval.evaluate import evaluate, inject_key_outliers, standard_plans  # noqa: E402
+from bpcompile.runtime.model import Llama  # noqa: E402
 
 
 def calibration_table(report: dict) -> str:
@@ -61,9 +61,9 @@ def _nf4(x, clip):
 
 def study(model, calib, held, group_size):
     """Unit-level error of INT4 variants (same calibration search) and where top-1 disagreements happen."""
-    from bpcompile.calibrate import _LayerProbe, capture_qkv, key_channel_scale
-    from bpcompile.evaluate import cached_forward
-    from bpcompile.kvcache import KVPlan, fake_quantize
+    from bpcompile.build.calibrate import _LayerProbe, capture_qkv, key_channel_scale
+    from bpcompile.eval.evaluate import cached_forward
+    from bpcompile.runtime.kvcache import KVPlan, fake_quantize
 
     c, H = model.cfg, _hadamard(model.cfg.head_size)
     clips = (1.0, 0.9, 0.8)

@@ -28,16 +28,16 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bpcompile.triton.client import DEFAULT_PROMPTS, bench_remote  # noqa: E402
-from bpcompile.triton.emit import emit_repository  # noqa: E402
-from bpcompile.triton.serve import ServerProcess  # noqa: E402
+from bpcompile.serving.client import DEFAULT_PROMPTS, bench_remote  # noqa: E402
+from bpcompile.serving.emit import emit_repository  # noqa: E402
+from bpcompile.serving.serve import ServerProcess  # noqa: E402
 
 
 def in_process(engine: Path, tree, prompts, concurrency: int, n: int, max_tokens: int) -> dict:
     """The runtime without Triton: `concurrency` requests in the batch at a time (closed loop, like the client)."""
     from tokenizers import Tokenizer
 
-    from bpcompile.runtime import Generator, SamplingParams, TreeSpec
+    from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
 
     tok = Tokenizer.from_file(str(engine / "tokenizer" / "tokenizer.json"))
     gen = Generator.from_engine(engine, tree=TreeSpec(**tree) if tree else None)

@@ -30,12 +30,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bpcompile import corpus  # noqa: E402
-from bpcompile.calibrate import calibrate  # noqa: E402
-from bpcompile.convert import convert_checkpoint  # noqa: E402
-from bpcompile.kvcache import kv_store_factory  # noqa: E402
-from bpcompile.model import Llama  # noqa: E402
-from bpcompile.runtime import Generator, SamplingParams, TreeSpec, _default_factory  # noqa: E402
+from bpcompile.build import corpus
+from bpcompile.build.calibrate import calibrate  # noqa: E402
+from bpcompile.build.convert import convert_checkpoint  # noqa: E402
+from bpcompile.runtime.kvcache import kv_store_factory  # noqa: E402
+from bpcompile.runtime.model import Llama  # noqa: E402
+from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
+from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
 
 
 def _distill_module():
@@ -106,7 +107,7 @@ def main() -> None:
     plan, _ = calibrate(v, corpus.calibration_samples(tok, 16, 128), {"format": "int4-fp8-outlier"})
     print(f"calibrated the default plan in {time.perf_counter() - t:.0f}s ({plan.compression_vs_fp16():.2f}x)",
           file=sys.stderr)
-    fp16 = _default_factory(torch.float16)
+    fp16 = float_store_factory(torch.float16)
     rows = {
         "hf": ("transformers generate (fp32 cache)", hf(hv)),
         "hf_assisted": ("transformers assisted generation, shipped draft", hf(hv, hd)),

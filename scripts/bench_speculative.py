@@ -25,10 +25,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bpcompile.convert import convert_checkpoint  # noqa: E402
-from bpcompile.corpus import heldout_prompts  # noqa: E402
-from bpcompile.model import Llama, ModelConfig  # noqa: E402
-from bpcompile.runtime import Generator, SamplingParams, TreeSpec  # noqa: E402
+from bpcompile.build.convert import convert_checkpoint  # noqa: E402
+from bpcompile.build.corpus import heldout_prompts  # noqa: E402
+from bpcompile.runtime.model import Llama, ModelConfig  # noqa: E402
+from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
 
 STATIC5 = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 TREES = [("(a) verifier only", TreeSpec("none")), ("(b) chain 5", TreeSpec("chain", length=5)),
@@ -41,7 +41,7 @@ def ours(verifier, draft, tree, max_len, batch=1, calibrate=True):
     gen = Generator(verifier, draft if tree.kind != "none" else None, tree, max_batch_size=batch,
                     max_seq_len=max_len, page_size=16)
     if not calibrate:
-        gen.calib = None
+        gen.spec.calib = None
 
     def run(prompts, n):
         return gen.generate(prompts, SamplingParams(max_tokens=n))
@@ -83,7 +83,9 @@ def interleaved(runners: dict, prompts, n, chunk=1):
     for fn in runners.values():  # warm-up
         fn(prompts[:1], 4)
         if hasattr(fn, "gen"):
-            fn.gen.forwards.update(draft=0, verifier=0)
+            for ex in (fn.gen.v_exec, fn.gen.d_exec):
+                if ex is not None:
+                    ex.forwards = 0
     for i in range(0, len(prompts), chunk):
         for k, fn in runners.items():
             t0 = time.perf_counter()
@@ -131,7 +133,7 @@ def wide_verifier(hidden: int, layers: int, vocab: int) -> Llama:
 def tree_forward(model: Llama, context: int, tree: TreeSpec):
     """A closure running one verifier forward of a step's tree (G = draft tokens + 1) over `context` cached
     tokens through this runtime's paged cache and tree attention (same slots every call)."""
-    from bpcompile.speculative import DraftTree
+    from bpcompile.runtime.speculative import DraftTree
 
     gen = Generator(model, None, None, max_batch_size=1, max_seq_len=context + 16)
     rid = gen.add_request(list(range(1, context + 1)), SamplingParams(max_tokens=2))
@@ -152,9 +154,9 @@ def tree_forward(model: Llama, context: int, tree: TreeSpec):
 
     def run():
         with torch.inference_mode():
-            gen._forward(model, gen.vkv, [r], [t.tokens], [[r.v_len + d for d in t.depths]],
-                         [list(range(r.v_len, r.v_len + len(t)))], [r.v_len], [len(t)],
-                         [t.bits] if len(t) > 1 else None)
+            gen.v_exec.forward([r], [t.tokens], [[r.v_len + d for d in t.depths]],
+                               [list(range(r.v_len, r.v_len + len(t)))], [r.v_len], [len(t)],
+                               [t.bits] if len(t) > 1 else None)
     return run
 
 
@@ -248,7 +250,7 @@ def main():
         f"Command: `{cmd}`", "",
         f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (numbers move by "
         f"~10-20% between runs), no GPU; torch {torch.__version__}, {a.threads} intra-op thread(s), float32.",
-        f"Workload: {len(prompts)} held-out prompts (`bpcompile.corpus.heldout_prompts`, {a.prompt_tokens} tokens "
+        f"Workload: {len(prompts)} held-out prompts (`bpcompile.build.corpus.heldout_prompts`, {a.prompt_tokens} tokens "
         f"each), {a.max_tokens} new tokens each, greedy, no end token; batch 1 unless noted. Verifier "
         f"{V.cfg.num_layers} layers x {V.cfg.hidden_size}, draft {D.cfg.num_layers} layer{'s' if D.cfg.num_layers > 1 else ''} x {D.cfg.hidden_size}, "
         f"vocab {V.cfg.vocab_size}. Runs are interleaved prompt by prompt so that the machine's load falls on "

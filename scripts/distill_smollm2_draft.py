@@ -12,7 +12,7 @@ the draft starts out speaking the verifier's output space and only has to learn 
 projected final hidden state.
 
 Training text looks like what the draft will draft: (a) the train split of the builtin pydoc corpus
-(`bpcompile.corpus.train_documents()`), in 256-token windows, and (b) the verifier's own greedy answers,
+(`bpcompile.build.corpus.train_documents()`), in 256-token windows, and (b) the verifier's own greedy answers,
 through its chat template, to instruction prompts built from that split ("Summarize ...",
 "Explain ..."). The loss is KL(verifier || draft) on the verifier's top-k next-token distribution
 (renormalised; the tail beyond k=32 holds ~1-3% of the mass on this text). Teacher logits and answers
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bpcompile import corpus  # noqa: E402
+from bpcompile.build import corpus
 
 VERIFIER = ROOT / "models" / "smollm2" / "verifier"
 OUT = ROOT / "models" / "smollm2" / "draft"

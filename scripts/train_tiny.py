@@ -4,7 +4,7 @@
     .venv/bin/python scripts/train_tiny.py --eval-only  # recompute models/tiny/metrics.json from the committed models
     .venv/bin/python scripts/train_tiny.py --quick      # smoke run into a temp dir (~1 min)
 
-Steps: byte-level BPE tokenizer (vocab 4096) on the train split of `bpcompile.corpus`; four small
+Steps: byte-level BPE tokenizer (vocab 4096) on the train split of `bpcompile.build.corpus`; four small
 "tutor" models (2 layers, hidden 128) trained on next-token cross-entropy with different seeds; the
 verifier (4 layers, hidden 256, GQA 4q/2kv, head_dim 64) distilled from the tutors' averaged
 predictions (KL plus a little cross-entropy); then the draft (1 layer, hidden 128, 2q/1kv, tied
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bpcompile import corpus  # noqa: E402
+from bpcompile.build import corpus
 
 SEED = 1234
 VOCAB = 4096

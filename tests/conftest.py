@@ -54,3 +54,64 @@ def make_hf_llama(path: Path, **overrides) -> Path:
 def hf_llama(tmp_path):
     """A small random GQA Llama checkpoint directory."""
     return make_hf_llama(tmp_path / "hf")
+
+
+def write_engine_config(engine_dir: Path, **sections) -> Path:
+    """engine.json for a hand-made engine version: EngineConfig's defaults (name 'tiny'), the given sections
+    over them (a section given as a dict replaces the whole section)."""
+    from bpcompile.core.engine import EngineConfig
+
+    EngineConfig.model_validate({"name": "tiny", **sections}).save(engine_dir)
+    return engine_dir
+
+
+def update_engine_config(engine_dir: Path, **sections) -> None:
+    """Replace top-level sections of an existing engine version's engine.json."""
+    import json
+
+    f = Path(engine_dir) / "engine.json"
+    write_engine_config(engine_dir, **{**json.loads(f.read_text()), **sections})
+
+
+# full-tensor renames (no sharding), an independent statement of what merge_ranks should give and its way back
+
+
+def hf_to_trtllm(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """HF state dict -> full tensors under TRT-LLM names (merge_ranks' output form). cfg: TRT-LLM config."""
+    from bpcompile.core.checkpoint import hf_to_trtllm_name
+
+    out = {}
+    for name, t in hf.items():
+        trt = hf_to_trtllm_name(name)
+        if trt is not None and not (trt == "lm_head.weight" and cfg.get("tie_word_embeddings")):
+            out[trt] = t
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}.self_attn."
+        for kind in ("weight", "bias"):
+            if p + f"q_proj.{kind}" in hf:
+                out[f"transformer.layers.{l}.attention.qkv.{kind}"] = torch.cat([hf[p + f"{x}_proj.{kind}"] for x in "qkv"])
+    return out
+
+
+def trtllm_to_hf(trt: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_trtllm: full TRT-LLM tensors -> HF state dict (q/k/v unfused)."""
+    H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    D = cfg.get("head_size") or cfg["hidden_size"] // H
+    from bpcompile.core.checkpoint import GLOBAL_NAMES, LAYER_NAMES, _LAYER_RE
+
+    back = {v: k for k, v in GLOBAL_NAMES.items()}
+    back_layer = {v: k for k, v in LAYER_NAMES.items()}
+    out = {}
+    for name, t in trt.items():
+        m = _LAYER_RE.match(name)
+        if name in back:
+            out[back[name]] = t
+        elif m and m[2].startswith("attention.qkv."):
+            kind = m[2].rsplit(".", 1)[1]
+            for x, part in zip("qkv", t.split([H * D, KV * D, KV * D])):
+                out[f"model.layers.{m[1]}.self_attn.{x}_proj.{kind}"] = part
+        elif m and m[2] in back_layer:
+            out[f"model.layers.{m[1]}.{back_layer[m[2]]}"] = t
+        else:
+            raise KeyError(f"no HF name for {name}")
+    return out

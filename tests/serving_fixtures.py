@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-import yaml
+from conftest import update_engine_config, write_engine_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
@@ -41,22 +41,20 @@ def _hf_pair(root: Path) -> tuple[Path, Path]:
 
 
 def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = None) -> Path:
-    """An engine version directory at dst (verifier/, draft/, tokenizer/, recipe.yaml, manifest.json)."""
+    """An engine version directory at dst (verifier/, draft/, tokenizer/, engine.json, manifest.json)."""
     src = os.environ.get("BPCOMPILE_TEST_ENGINE")
     dst = Path(dst)
     if src:
         shutil.copytree(src, dst)
         if recipe_overrides:
-            r = yaml.safe_load((dst / "recipe.yaml").read_text())
-            r.update(recipe_overrides)
-            (dst / "recipe.yaml").write_text(yaml.safe_dump(r))
+            update_engine_config(dst, **recipe_overrides)
         m = json.loads((dst / "manifest.json").read_text())
         m["version"] = version
         (dst / "manifest.json").write_text(json.dumps(m))
         return dst
     if (TINY / "verifier" / "config.json").is_file() and (TINY / "draft" / "config.json").is_file():
         return _built(dst, version, recipe_overrides)
-    from bpcompile.convert import convert_checkpoint
+    from bpcompile.build.convert import convert_checkpoint
 
     v, d = _hf_pair(dst.parent)
     dst.mkdir(parents=True)
@@ -65,7 +63,7 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
     (dst / "tokenizer").mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(v / f, dst / "tokenizer" / f)
-    (dst / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, **(recipe_overrides or {})}))
+    write_engine_config(dst, **{**RECIPE, **(recipe_overrides or {})})
     (dst / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version,
                                                    "build_id": f"test-{version}-{v.name}"}))
     return dst
@@ -74,7 +72,7 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
 def _built(dst: Path, version: int, recipe_overrides: dict | None) -> Path:
     """Version `version` of recipes/tiny.yaml built by the real build pipeline (--force for later versions),
     copied to dst."""
-    from bpcompile.build import build
+    from bpcompile.build.pipeline import build
 
     store = dst.parent / "_store"
     store.mkdir(parents=True, exist_ok=True)
@@ -89,7 +87,5 @@ def _built(dst: Path, version: int, recipe_overrides: dict | None) -> Path:
     m["version"] = version
     (dst / "manifest.json").write_text(json.dumps(m))
     if recipe_overrides:
-        r = yaml.safe_load((dst / "recipe.yaml").read_text())
-        r.update(recipe_overrides)
-        (dst / "recipe.yaml").write_text(yaml.safe_dump(r))
+        update_engine_config(dst, **recipe_overrides)
     return dst

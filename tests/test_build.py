@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from bpcompile.build import build
+from bpcompile.build.pipeline import build
 from bpcompile.cli import main
-from bpcompile.store import EngineStore, sha256_file
+from bpcompile.core.store import EngineStore, sha256_file
 from pairs import make_pair, write_recipe
 
 

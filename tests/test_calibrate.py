@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from bpcompile.calibrate import KVCalibConfig, calibrate, calibrate_engine_stage, n_outlier_units
-from bpcompile.convert import convert_checkpoint
-from bpcompile.errors import UserError
-from bpcompile.evaluate import (cached_forward, evaluate, evaluate_engine,
+from bpcompile.build.calibrate import KVCalibConfig, calibrate, calibrate_engine_stage, n_outlier_units
+from bpcompile.build.convert import convert_checkpoint
+from bpcompile.core.errors import UserError
+from bpcompile.eval.evaluate import (cached_forward, evaluate, evaluate_engine,
                                 evaluate_engine_report, inject_key_outliers)
-from bpcompile.kvcache import KVPlan
-from bpcompile.model import Llama
+from bpcompile.runtime.kvcache import KVPlan
+from bpcompile.runtime.model import Llama
 from conftest import make_hf_llama
 
 VOCAB = 300
@@ -118,9 +118,9 @@ def test_engine_stage_writes_plan(ckpt, tmp_path):
 def test_speculative_greedy_equals_verifier_only_with_quantized_cache(ckpt, model, tmp_path):
     """Tree verification must read exactly the dequantized values sequential decode reads (per-token
     quantization + move() as a byte copy), so greedy speculation == verifier-only greedy, same cache."""
-    from bpcompile.kvcache import kv_store_factory
-    from bpcompile.runtime import Generator, SamplingParams
-    from bpcompile.speculative import TreeSpec
+    from bpcompile.runtime.kvcache import kv_store_factory
+    from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.speculative import TreeSpec
 
     draft_hf = make_hf_llama(tmp_path / "dhf", vocab_size=VOCAB, seed=1, hidden_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=48)

@@ -9,11 +9,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from bpcompile.convert import convert_checkpoint, merge_ranks, trtllm_to_hf, hf_to_trtllm
-from bpcompile.errors import UserError
-from bpcompile.hf import (TensorReader, list_weights, param_count, read_hf_config, summarize, tokenizers_equal,
+from bpcompile.build.convert import convert_checkpoint
+from bpcompile.core.checkpoint import merge_ranks
+from bpcompile.core.errors import UserError
+from bpcompile.build.hf import (TensorReader, list_weights, read_hf_config, tokenizers_equal,
                           weight_files)
-from conftest import SMALL, make_hf_llama
+from conftest import SMALL, hf_to_trtllm, make_hf_llama, trtllm_to_hf
 
 H, KV, HID, INTER, V, LAYERS = (SMALL[k] for k in ("num_attention_heads", "num_key_value_heads", "hidden_size",
                                                    "intermediate_size", "vocab_size", "num_hidden_layers"))
@@ -206,7 +207,7 @@ def test_copy_paths_give_identical_files(tmp_path, monkeypatch):
     """File-to-file byte copies (copy_file_range), their pread fallback and the through-memory path agree."""
     import dataclasses
 
-    from bpcompile import convert
+    from bpcompile.build import convert
 
     hf = make_hf_llama(tmp_path / "hf", tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     convert_checkpoint(hf, tmp_path / "fast", tp=4, pp=2)
@@ -236,17 +237,6 @@ def test_progress_reports_all_bytes(hf_model, tmp_path):
     convert_checkpoint(hf_model, tmp_path, tp=2, progress=lambda done, total: seen.append((done, total)))
     data = sum(t.numel() * t.element_size() for r in range(2) for t in load_file(tmp_path / f"rank{r}.safetensors").values())
     assert seen[-1][0] == data and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
-
-
-def test_param_count_and_summary(hf_model, hf_tied):
-    import transformers
-
-    for d in (hf_model, hf_tied):
-        m = transformers.AutoModelForCausalLM.from_pretrained(d)
-        assert param_count(d) == m.num_parameters()  # counts tied weights once
-    s = summarize(hf_model)
-    assert s["architecture"] == "LlamaForCausalLM" and s["layers"] == LAYERS and s["kv_heads"] == KV
-    assert s["tensor_dtypes"] == ["float32"] and s["files"] == ["model.safetensors"]
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bpcompile import corpus
-from bpcompile.errors import UserError
+from bpcompile.build import corpus
+from bpcompile.core.errors import UserError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
 

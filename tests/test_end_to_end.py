@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from bpcompile.cli import main
-from bpcompile.kvcache import KVPlan
+from bpcompile.runtime.kvcache import KVPlan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"

@@ -10,14 +10,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bpcompile.calibrate import calibrate_engine_stage
+from bpcompile.build.calibrate import calibrate_engine_stage
 from bpcompile.cli import main
-from bpcompile.convert import convert_checkpoint
-from bpcompile.evaluate import _prefix_kv, decode_logits, passkey_trials
-from bpcompile.kvcache import KVPlan, kv_store_factory
-from bpcompile.model import Llama
-from bpcompile.runtime import Generator, SamplingParams
-from bpcompile.speculative import TreeSpec
+from bpcompile.build.convert import convert_checkpoint
+from bpcompile.eval.evaluate import _prefix_kv, decode_logits, passkey_trials
+from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+from bpcompile.runtime.model import Llama
+from bpcompile.runtime.generator import Generator, SamplingParams
+from bpcompile.runtime.speculative import TreeSpec
+from conftest import write_engine_config  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
 KV = {"format": "int4-fp8-outlier", "outlier_fraction": 0.08, "group_size": 64, "page_size": 16}
@@ -97,7 +98,7 @@ def test_eval_passkey_and_parity_on_tiny_sizes(engine):
 
 
 def test_eval_text_file_is_used_and_named(engine, tmp_path):
-    from bpcompile import corpus
+    from bpcompile.build import corpus
 
     f = tmp_path / "mine.txt"
     f.write_text(corpus.train_text()[:20000])
@@ -128,7 +129,8 @@ def test_fp16_kv_format_stores_fp16_for_an_fp32_model(engine, tmp_path):
     """recipe kv_cache.format fp16 (no KV plan) must give an FP16 cache, not one in the model's dtype."""
     eng = tmp_path / "e"
     shutil.copytree(engine / "verifier", eng / "verifier")
-    (eng / "recipe.yaml").write_text("kv_cache: {format: fp16, page_size: 16}\nlimits: {max_seq_len: 64}\n")
+    write_engine_config(eng, kv_cache={"format": "fp16", "page_size": 16},
+                        limits={"max_seq_len": 64, "max_input_len": 32})
     gen = Generator.from_engine(eng)
     assert gen.verifier.dtype == torch.float32
     assert gen.vkv.store.dtype == torch.float16 and gen.vkv.store.k.dtype == torch.float16
@@ -136,7 +138,7 @@ def test_fp16_kv_format_stores_fp16_for_an_fp32_model(engine, tmp_path):
 
 def test_engine_tokenizer_keeps_the_chat_template(tmp_path):
     """Passkey prompts go through the chat template, which transformers 5 saves in its own file."""
-    from bpcompile.build import _copy_tokenizer
+    from bpcompile.build.pipeline import _copy_tokenizer
 
     src = tmp_path / "ckpt"
     src.mkdir()

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from bpcompile.store import sha256_file
+from bpcompile.core.store import sha256_file
 
 pytest.importorskip("tritonclient.grpc")
 
-from bpcompile.triton.emit import JOURNAL, VERSIONED, read_config  # noqa: E402
+from bpcompile.serving.emit import JOURNAL, VERSIONED, read_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1 << 20

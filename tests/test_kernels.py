@@ -1,4 +1,4 @@
-"""The Triton kernels (bpcompile/kernels.py) against the PyTorch oracle (bpcompile/kvcache.py), on CPU in
+"""The Triton kernels (bpcompile/kernels/paged.py) against the PyTorch oracle (bpcompile/runtime/kvcache.py), on CPU in
 Triton's interpreter: quantize-and-append bit for bit, paged tree attention within float tolerance,
 the compaction move byte for byte. Small shapes, few program instances (the interpreter costs ~1 ms each)."""
 from __future__ import annotations
@@ -11,8 +11,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from bpcompile import kernels as K  # noqa: E402
-from bpcompile.kvcache import KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402
+from bpcompile.kernels import paged as K  # noqa: E402
+from bpcompile.kernels import tree_mask as TM  # noqa: E402
+from bpcompile.build import aot, plugin  # noqa: E402
+from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
+from bpcompile.runtime.kvcache import KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402
 
 L, KV, D = 2, 2, 64
 # every unit kind present: INT4 and FP8 (the shipped format) plus one INT8 unit; K and V of one head may differ
@@ -72,9 +75,9 @@ def setup_batch(st, ctxs, trees, G, H, dtype, seed=0):
             st.write(layer, slots, torch.randn(T, KV, D, generator=g) * 2, torch.randn(T, KV, D, generator=g))
     masks = torch.zeros(B, G, G, dtype=torch.bool)
     for b, parents in enumerate(trees):
-        masks[b, :len(parents), :len(parents)] = K.tree_mask_from_parents(parents)
+        masks[b, :len(parents), :len(parents)] = TM.tree_mask_from_parents(parents)
     q = (torch.randn(B, G, H, D, generator=g) * 1.5).to(dtype)
-    return q, block_tables, torch.tensor(ctxs), K.pack_tree_mask(masks), torch.tensor([len(p) for p in trees])
+    return q, block_tables, torch.tensor(ctxs), TM.pack_bool_mask(masks), torch.tensor([len(p) for p in trees])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +175,7 @@ def run_case(c, perturb=None):
     ql = torch.tensor(c["q_lens"]) if "q_lens" in c else None
     errs = []
     for layer in range(L):
-        ref = K.paged_attention_reference(q, st, layer, bt, ctx, tm, nt, scale, q_lens=ql)
+        ref = paged_attention_reference(q, st, layer, bt, ctx, tm, nt, scale, q_lens=ql)
         out = K.paged_attention(q, kst, layer, bt, ctx, ktm, nt, scale, q_lens=ql, num_splits=c["splits"],
                                 block_n=c["block_n"])
         assert out.shape == q.shape and out.dtype == q.dtype
@@ -238,27 +241,27 @@ def test_move_slots_matches_store_move_with_overlap():
 
 
 def test_packed_tree_mask_format():
-    m = K.tree_mask_from_parents(TRTLLM_EXAMPLE)
-    p = K.pack_tree_mask(m)
+    m = TM.tree_mask_from_parents(TRTLLM_EXAMPLE)
+    p = TM.pack_bool_mask(m)
     assert p.shape == (10, 1) and p.dtype == torch.int32
     assert int(p[0, 0]) == 1  # row 0 (the true token) sees only itself
     # nodes by (depth, choice): 1 = [0], 2 = [1], 3 = [0, 0], ..., 7 = [0, 0, 0] sees 0, 1, 3 and itself
     assert int(p[7, 0]) == (1 << 0) | (1 << 1) | (1 << 3) | (1 << 7)
     assert TRTLLM_EXAMPLE == [-1, 0, 0, 1, 1, 2, 2, 3, 4, 7]
-    chain = K.pack_tree_mask(K.tree_mask_from_parents(list(range(-1, 39))))
+    chain = TM.pack_bool_mask(TM.tree_mask_from_parents(list(range(-1, 39))))
     assert chain.shape == (40, 2) and int(chain[31, 0]) == -1 and int(chain[39, 1]) == 0xFF
-    assert torch.equal(K.unpack_tree_mask(chain, 40), K.tree_mask_from_parents(list(range(-1, 39))))
+    assert torch.equal(TM.unpack_tree_mask(chain, 40), TM.tree_mask_from_parents(list(range(-1, 39))))
 
 
 # ------------------------------------------------------------------------------------------------
-# the GPU benchmark's correctness part (what `plugins/bench_gpu.py --cpu-smoke` runs)
+# the GPU benchmark's correctness part (what `scripts/bench_gpu.py --cpu-smoke` runs)
 
 
 def test_bench_gpu_cpu_smoke():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "plugins" / "bench_gpu.py"
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -271,7 +274,7 @@ def test_bench_gpu_cpu_smoke():
 
 
 def _recipe(page_size=16, group_size=64, arch="sm_90a"):
-    from bpcompile.recipe import Recipe
+    from bpcompile.build.recipe import Recipe
 
     return Recipe(name="k", models={"verifier": {"path": "v"}, "draft": {"path": "d"}},
                   kv_cache={"page_size": page_size, "group_size": group_size}, kernels={"arch": arch})
@@ -294,7 +297,7 @@ def test_compile_engine_kernels_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("BPCOMPILE_CACHE", str(tmp_path / "cache"))  # really compile, don't reuse ~/.cache
     stage = _stage(tmp_path)
     out = tmp_path / "kernels"
-    res = K.compile_engine_kernels(stage, _recipe(), out)
+    res = aot.compile_engine_kernels(stage, _recipe(), out)
     assert res["status"] == "compiled" and not res["cached"] and "sm_90a" in res["detail"]
     kj = json.loads((out / "kernels.json").read_text())
     assert kj["arch"] == "sm_90a" and kj["triton_version"] and kj["model"]["head_size"] == 64
@@ -313,10 +316,10 @@ def test_compile_engine_kernels_sm90a(tmp_path, monkeypatch):
     assert "bp_paged_attention_decode_fp16_launch(CUstream stream, unsigned int gridX" in header
     # second build: from the cache, same artifacts (kernels.json carries no timestamps)
     out2 = tmp_path / "kernels2"
-    res2 = K.compile_engine_kernels(stage, _recipe(), out2)
+    res2 = aot.compile_engine_kernels(stage, _recipe(), out2)
     assert res2["cached"] and (out2 / "kernels.json").read_text() == (out / "kernels.json").read_text()
     check = kj["launcher_check"]
-    if K.find_cuda_include() is None:
+    if aot.find_cuda_include() is None:
         assert check["status"] == "skipped" and check["reason"]
         pytest.skip("no cuda.h here: the generated C launchers were not compiled")
     assert check["status"] == "ok", check  # the generated C launchers compiled against cuda.h
@@ -325,7 +328,7 @@ def test_compile_engine_kernels_sm90a(tmp_path, monkeypatch):
 def test_compile_engine_kernels_skips_unsupported_shape(tmp_path):
     import json
 
-    res = K.compile_engine_kernels(_stage(tmp_path, head_size=16), _recipe(), tmp_path / "kernels")
+    res = aot.compile_engine_kernels(_stage(tmp_path, head_size=16), _recipe(), tmp_path / "kernels")
     assert res["status"] == "skipped" and "head_size 16" in res["detail"]
     assert json.loads((tmp_path / "kernels" / "kernels.json").read_text())["status"] == "skipped"
 
@@ -337,20 +340,20 @@ def test_trt_plugin_is_not_pretended(tmp_path, monkeypatch):
     import shutil
     import subprocess
 
-    from bpcompile.errors import MissingDependency
+    from bpcompile.core.errors import MissingDependency
 
-    if K.find_tensorrt() is not None:
+    if plugin.find_tensorrt() is not None:
         pytest.skip("TensorRT is installed here: the plugin build itself is exercised instead")
-    src = K.PLUGIN_SRC
+    src = plugin.PLUGIN_SRC
     assert (src / "CMakeLists.txt").is_file() and (src / "src" / "bpcompile_plugins.cpp").is_file()
     kdir = tmp_path / "kernels"
     kdir.mkdir()
     (kdir / "kernels.json").write_text(json.dumps({"status": "compiled"}))
-    res = K.build_trt_plugin(kdir, tmp_path / "plugin")
+    res = plugin.build_trt_plugin(kdir, tmp_path / "plugin")
     assert res["status"] == "skipped" and "TensorRT" in res["reason"]
-    assert not (tmp_path / "plugin" / K.PLUGIN_LIB).exists()
+    assert not (tmp_path / "plugin" / plugin.PLUGIN_LIB).exists()
     with pytest.raises(MissingDependency, match="TensorRT"):
-        K.build_trt_plugin(kdir, tmp_path / "plugin", required=True)
+        plugin.build_trt_plugin(kdir, tmp_path / "plugin", required=True)
     if shutil.which("cmake") is None:
         pytest.skip("cmake not installed: the configure step can't be checked here")
     monkeypatch.delenv("TENSORRT_ROOT", raising=False)

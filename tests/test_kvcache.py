@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bpcompile.errors import UserError
-from bpcompile.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
+from bpcompile.core.errors import UserError
+from bpcompile.runtime.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
                                dequantize_int4, dequantize_int8, encode_fp8_e4m3, fake_quantize, kv_store_factory,
                                make_kv_store, pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
-from bpcompile.model import ModelConfig
+from bpcompile.runtime.model import ModelConfig
 
 # the shipped tiny verifier's shape: 4 layers x 2 KV heads x head 64
 TINY = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_size=64,

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from bpcompile.convert import convert_checkpoint
-from bpcompile.hf import tokenizers_equal
-from bpcompile.model import Llama
+from bpcompile.build.convert import convert_checkpoint
+from bpcompile.build.hf import tokenizers_equal
+from bpcompile.runtime.model import Llama
 from conftest import TINY, make_hf_model
 
 TOL = 1e-4

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from bpcompile.cli import main
-from bpcompile.errors import UserError
-from bpcompile.recipe import load_recipe, parse_recipe
+from bpcompile.core.errors import UserError
+from bpcompile.build.recipe import load_recipe, parse_recipe
 from pairs import make_pair, make_tokenizer, write_recipe
 
 REPO = Path(__file__).resolve().parents[1]

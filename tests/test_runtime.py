@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bpcompile.errors import UserError
-from bpcompile.kvcache import FloatKVStore
-from bpcompile.model import Llama, ModelConfig, causal_attend
-from bpcompile.runtime import (AttnBatch, Generator, PagedKV, SamplingParams, StepOutput, TreeSpec, generate_cli,
-                               paged_attention)
-from bpcompile.speculative import pack_rows
+from bpcompile.core.errors import UserError
+from bpcompile.runtime.kvcache import FloatKVStore
+from bpcompile.runtime.model import Llama, ModelConfig, causal_attend
+from bpcompile.commands import generate_text
+from bpcompile.runtime.generator import Generator, SamplingParams, StepOutput, TreeSpec
+from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, paged_attention
+from bpcompile.kernels.tree_mask import pack_rows
+from conftest import write_engine_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
@@ -192,7 +194,7 @@ def test_dense_view_of_a_quantized_cache_is_what_the_store_holds(pair):
     """With a rotated mixed-precision cache the attention reads a dense copy that write_read fills by decoding the
     codes it just made: after speculative steps (tree entries moved), it must equal store.read of the committed
     slots, and greedy output must equal the gather-from-the-store path's (dense_kv=False)."""
-    from bpcompile.kvcache import KVPlan, kv_store_factory
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 
     c = pair[0].cfg
     g = torch.Generator().manual_seed(3)
@@ -297,7 +299,7 @@ def test_sampling_is_seeded(pair):
 
 def test_quantized_store_via_factory(pair):
     """Any KVStore plugs in: the int8 QuantKVStore for the verifier, fp16 floats for the draft."""
-    from bpcompile.kvcache import KVPlan, kv_store_factory
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 
     c = pair[0].cfg
     plan = KVPlan.uniform("int8", c.num_layers, c.num_kv_heads, c.head_size, group_size=16)
@@ -322,7 +324,7 @@ def save_hf(model: Llama, out: Path) -> Path:
     """Write `model` as an HF Llama checkpoint (config.json + model.safetensors) without importing transformers."""
     from safetensors.torch import save_file
 
-    from bpcompile.convert import trtllm_to_hf
+    from conftest import trtllm_to_hf
 
     c = model.cfg
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
@@ -340,7 +342,7 @@ def save_hf(model: Llama, out: Path) -> Path:
 
 
 def _engine(tmp: Path, recipe: str) -> Path:
-    from bpcompile.convert import convert_checkpoint
+    from bpcompile.build.convert import convert_checkpoint
     from pairs import make_tokenizer
 
     cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
@@ -350,15 +352,17 @@ def _engine(tmp: Path, recipe: str) -> Path:
     convert_checkpoint(save_hf(v, tmp / "hf_v"), eng / "verifier")
     convert_checkpoint(save_hf(noisy_copy(v, 0.3, seed=4), tmp / "hf_d"), eng / "draft")
     make_tokenizer(eng / "tokenizer", vocab=300)
-    (eng / "recipe.yaml").write_text(recipe)
+    import yaml
+
+    write_engine_config(eng, **yaml.safe_load(recipe))
     return eng
 
 
-def test_from_engine_and_generate_cli(tmp_path, capsys):
-    eng = _engine(tmp_path, "name: t\nlimits: {max_batch_size: 3, max_seq_len: 96}\n"
+def test_from_engine_and_generate_text(tmp_path, capsys):
+    eng = _engine(tmp_path, "name: t\nlimits: {max_batch_size: 3, max_seq_len: 96, max_input_len: 95}\n"
                             "kv_cache: {format: fp16, page_size: 8}\n"
                             "speculative: {tree: static, choices: [[0], [1], [0, 0]]}\n")
-    from bpcompile.kvcache import KVPlan
+    from bpcompile.runtime.kvcache import KVPlan
 
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "FloatKVStore"
@@ -368,7 +372,7 @@ def test_from_engine_and_generate_cli(tmp_path, capsys):
     assert (gen.tree.kind, gen.tree.choices, gen.max_batch_size, gen.max_seq_len, gen.page_size) == \
         ("static", [[0], [1], [0, 0]], 3, 96, 8)
     assert Generator.from_engine(eng, tree=TreeSpec("none")).draft is None
-    res = generate_cli(eng, "The for statement", max_tokens=12, tree="chain:3", json_out=True)
+    res = generate_text(eng, "The for statement", max_tokens=12, tree="chain:3", json_out=True)
     js = json.loads(capsys.readouterr().out)
     assert js["tokens"] == res["tokens"] and js["tree"] == "chain" and js["verifier_steps"] >= 1
     from tokenizers import Tokenizer
@@ -377,7 +381,7 @@ def test_from_engine_and_generate_cli(tmp_path, capsys):
     ids = tok.encode("The for statement").ids
     plain = Generator.from_engine(eng, tree=TreeSpec("none")).generate([ids], SamplingParams(max_tokens=12))[0][0]
     assert res["tokens"] == plain[:len(res["tokens"])]  # may stop early at </s>
-    streamed = generate_cli(eng, "The for statement", max_tokens=12, no_speculation=True)
+    streamed = generate_text(eng, "The for statement", max_tokens=12, no_speculation=True)
     out = capsys.readouterr()
     assert out.out == tok.decode(streamed["tokens"]) + "\n" and "tok/s" in out.err
     assert streamed["tokens"] == res["tokens"]
@@ -387,7 +391,7 @@ def test_from_engine_errors(tmp_path):
     with pytest.raises(UserError):
         Generator.from_engine(tmp_path)
     with pytest.raises(UserError):
-        generate_cli(tmp_path, "x", tree="beam:3")
+        generate_text(tmp_path, "x", tree="beam:3")
 
 
 # ------------------------------------------------------------------------------------- the tiny pair
@@ -397,8 +401,8 @@ def test_from_engine_errors(tmp_path):
                     reason="the shipped tiny pair (models/tiny) is not built yet")
 def test_tiny_pair_heldout_greedy_identical(tmp_path):
     """The issue's bar: 50 held-out prompts x 64 tokens, greedy speculation == verifier-only, every tree kind."""
-    from bpcompile.convert import convert_checkpoint
-    from bpcompile.corpus import heldout_prompts
+    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.build.corpus import heldout_prompts
 
     models = {}
     for name in ("verifier", "draft"):

@@ -17,10 +17,10 @@ import json, sys
 import torch
 sys.path.insert(0, "tests")
 from test_runtime import random_llama, noisy_copy
-from bpcompile.model import ModelConfig
-from bpcompile.kvcache import KVPlan, kv_store_factory
-from bpcompile.runtime import Generator, SamplingParams
-from bpcompile.speculative import TreeSpec
+from bpcompile.runtime.model import ModelConfig
+from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+from bpcompile.runtime.generator import Generator, SamplingParams
+from bpcompile.runtime.speculative import TreeSpec
 
 cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=32,
                   intermediate_size=128)

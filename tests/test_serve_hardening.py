@@ -39,7 +39,7 @@ class TritonPythonModel:
 def repo(tmp_path_factory):
     pytest.importorskip("pytriton")
     pytest.importorskip("tritonclient.grpc")
-    from bpcompile.triton.emit import emit_repository
+    from bpcompile.serving.emit import emit_repository
 
     root = tmp_path_factory.mktemp("hardening")
     emit_repository([(1, make_engine(root / "engine" / "1", 1))], root / "repo")
@@ -50,7 +50,7 @@ class Serve:
     """`bpcompile serve REPO ...` in a subprocess, on free ports, stderr captured to a file."""
 
     def __init__(self, repo: Path, tmp: Path, *args: str, env: dict | None = None):
-        from bpcompile.triton.serve import free_port
+        from bpcompile.serving.serve import free_port
 
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         self.err_file = tmp / f"serve-{self.http}.err"
@@ -128,7 +128,7 @@ def _plant_backends(tmpdir: Path, marker: Path) -> Path:
     stub records who ran it before running the real one."""
     import hashlib
 
-    from bpcompile.triton.serve import _pytriton_dist
+    from bpcompile.serving.serve import _pytriton_dist
 
     dist = _pytriton_dist()
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -146,7 +146,7 @@ def _plant_backends(tmpdir: Path, marker: Path) -> Path:
 
 def _stream(port: int, n: int, max_tokens: int):
     """n streams over gRPC; returns (results, a started Event set once every stream has text)."""
-    from bpcompile.triton.client import generate_remote
+    from bpcompile.serving.client import generate_remote
 
     results, started = {}, [threading.Event() for _ in range(n)]
 
@@ -164,7 +164,7 @@ def _stream(port: int, n: int, max_tokens: int):
 
 
 def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo, tmp_path):
-    from bpcompile.triton.client import RemoteError, generate_remote
+    from bpcompile.serving.client import RemoteError, generate_remote
 
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -203,7 +203,7 @@ def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from bpcompile.triton.client import repository_index
+    from bpcompile.serving.client import repository_index
 
     token = secrets.token_urlsafe(24)
     evil_ran = tmp_path / "evil-ran"

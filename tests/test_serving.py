@@ -18,10 +18,10 @@ pytest.importorskip("pytriton")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from bpcompile.triton.client import (RemoteError, _grpc_client, bench_remote, generate_remote, load_model,  # noqa: E402
+from bpcompile.serving.client import (RemoteError, _grpc_client, bench_remote, generate_remote, load_model,  # noqa: E402
                                      load_version, repository_index, unload_model)
-from bpcompile.triton.emit import add_version, emit_repository, set_version_policy  # noqa: E402
-from bpcompile.triton.serve import ServerProcess  # noqa: E402
+from bpcompile.serving.emit import add_version, emit_repository, set_version_policy  # noqa: E402
+from bpcompile.serving.serve import ServerProcess  # noqa: E402
 from tests.serving_fixtures import make_engine  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -58,7 +58,7 @@ def server(engines, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(engines, tokenizer):
     """Greedy outputs of the in-process runtime for PROMPTS, with the end id the server uses."""
-    from bpcompile.runtime import Generator, SamplingParams
+    from bpcompile.runtime.generator import Generator, SamplingParams
 
     gen = Generator.from_engine(engines[1])
     eos = tokenizer.token_to_id("</s>")
@@ -70,7 +70,7 @@ def reference(engines, tokenizer):
 def test_prompt_size_is_checked_before_tokenizing(engines):
     """The byte bound (limits.max_input_len times the longest vocabulary entry) refuses no prompt that fits:
     max_input_len of the longest tokens pass; one byte over the bound is refused on its size alone."""
-    from bpcompile.triton.protocol import BadRequest, TextInterface
+    from bpcompile.serving.protocol import BadRequest, TextInterface
 
     t = TextInterface(engines[1] / "tokenizer", 384)
     vocab = t.tokenizer.get_vocab()

@@ -25,9 +25,9 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
-from bpcompile.triton.client import RemoteError, generate_remote  # noqa: E402
-from bpcompile.triton.emit import emit_repository  # noqa: E402
-from bpcompile.triton.serve import ServerProcess  # noqa: E402
+from bpcompile.serving.client import RemoteError, generate_remote  # noqa: E402
+from bpcompile.serving.emit import emit_repository  # noqa: E402
+from bpcompile.serving.serve import ServerProcess  # noqa: E402
 from tests.serving_fixtures import REPO, make_engine  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
@@ -42,7 +42,7 @@ KILLED, KILLED_TOKENS = 16, 400  # the batch size of the tiny recipe; long enoug
 KILLED_CLIENT = r"""
 import sys, time
 from pathlib import Path
-from bpcompile.triton.client import _grpc_client, _grpc_inputs, _request_fields
+from bpcompile.serving.client import _grpc_client, _grpc_inputs, _request_fields
 url, n, max_tokens, ready = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 clients = []
 for i in range(n):

@@ -46,7 +46,7 @@ def test_recorded_heldout_agreement_recomputes():
     spec = importlib.util.spec_from_file_location("distill", ROOT / "scripts" / "distill_smollm2_draft.py")
     distill = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(distill)
-    from bpcompile import corpus
+    from bpcompile.build import corpus
 
     m = metrics()["heldout_pydoc"]
     tok = AutoTokenizer.from_pretrained(VERIFIER)
@@ -71,9 +71,10 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from bpcompile.convert import convert_checkpoint
-    from bpcompile.model import Llama
-    from bpcompile.runtime import Generator, SamplingParams, TreeSpec, _default_factory
+    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.runtime.model import Llama
+    from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
+    from bpcompile.runtime.paged_kv import float_store_factory
 
     convert_checkpoint(VERIFIER, tmp_path / "v")
     convert_checkpoint(DRAFT, tmp_path / "d")
@@ -82,7 +83,7 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
     questions = ["What is a Python generator?", "Explain list comprehensions briefly.", "What does `with` do?"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for q in questions]
-    fp16 = _default_factory(torch.float16)
+    fp16 = float_store_factory(torch.float16)
     p = SamplingParams(max_tokens=32)
     plain = Generator(v, None, TreeSpec("none"), max_batch_size=3, max_seq_len=256, kv_store_factory=fp16)
     ref = [t for t, _ in plain.generate(prompts, p)]
@@ -103,7 +104,7 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     from click.testing import CliRunner
 
     from bpcompile.cli import main
-    from bpcompile.kvcache import KVPlan
+    from bpcompile.runtime.kvcache import KVPlan
 
     recipe = yaml.safe_load((ROOT / "recipes" / "smollm2.yaml").read_text())
     recipe["models"]["verifier"]["path"] = str(VERIFIER)

@@ -8,12 +8,11 @@ import random
 import pytest
 import torch
 
-from bpcompile.errors import UserError
-from bpcompile.model import ModelConfig
-from bpcompile.runtime import Generator, SamplingParams
-from bpcompile.speculative import (AcceptanceCalibration, DraftTree, DynamicBuilder, Sampling, StaticBuilder, TreeSpec, pack_tree_mask,
-                                   parse_tree_spec, probs_from_logits, residual_rule, sort_choices,
-                                   unpack_tree_mask)
+from bpcompile.core.errors import UserError
+from bpcompile.runtime.model import ModelConfig
+from bpcompile.runtime.generator import Generator, SamplingParams
+from bpcompile.kernels.tree_mask import pack_tree_mask, unpack_tree_mask
+from bpcompile.runtime.speculative import (AcceptanceCalibration, DraftTree, DynamicBuilder, Sampling, StaticBuilder, TreeSpec, parse_tree_spec, probs_from_logits, residual_rule, sort_choices)
 from test_runtime import one_thread, random_llama  # noqa: F401  (one_thread: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -203,7 +202,7 @@ def _run(tree, n, rule=None):
     # backoff off: a draft this costly would (rightly) be switched off, and this test is about the acceptance rule
     gen = Generator(verifier, draft, tree, max_batch_size=1000, max_seq_len=16, page_size=4, backoff=False)
     if rule is not None:
-        gen.accept_rule = rule
+        gen.spec.accept_rule = rule
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     toks, accepted = {}, 0
     for i in range(n):  # max_tokens 4: t2 and t3 come from a tree of depth 2 (t1 is the prefill's own sample)
@@ -270,7 +269,7 @@ def test_backoff_stops_drafting_that_does_not_pay_and_probes_again():
     """BackOff against made-up step timings: a drafting step that yields less than plain decoding in its time
     switches drafting off for `wait` steps, a failed probe doubles the wait, a good one restores drafting, and
     the tree shrinks to about twice the accepted length."""
-    from bpcompile.speculative import BackOff
+    from bpcompile.runtime.speculative import BackOff
 
     b = BackOff(TreeSpec("dynamic", nodes=8), first_wait=2, max_wait=8, decay=1.0)
     assert b.next_spec().nodes == 8  # nothing measured yet: the recipe's tree

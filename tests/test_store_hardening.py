@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from bpcompile.build import build
+from bpcompile.build.pipeline import build
 from bpcompile.cli import main
-from bpcompile.store import EngineStore
+from bpcompile.core.store import EngineStore
 from pairs import make_pair, write_recipe
 
 pytest.importorskip("tritonclient.grpc")
 
-from bpcompile.triton.emit import JOURNAL, MARKER, SUMMARY, VERSIONED  # noqa: E402
+from bpcompile.serving.emit import JOURNAL, MARKER, SUMMARY, VERSIONED  # noqa: E402
+from conftest import write_engine_config  # noqa: E402
 
 EMIT = "triton: {emit: true}\n"
 
@@ -147,7 +148,7 @@ def test_half_published_version_is_repaired_not_reported_up_to_date(tmp_path, pa
     v2 = build(recipe, force=True)
     shutil.rmtree(repo / "generator" / "2")
     lines = []
-    from bpcompile.build import Reporter
+    from bpcompile.build.pipeline import Reporter
 
     out = build(recipe, reporter=Reporter(log=lines.append))
     assert not out.created and out.version == 2
@@ -162,19 +163,19 @@ def _stand_in_engine(root: Path, v: int, tok: Path) -> Path:
     (d / "verifier" / "weights.bin").write_bytes(os.urandom(4 << 20))  # a copy that takes a moment
     (d / "tokenizer").mkdir()
     shutil.copy2(tok / "tokenizer.json", d / "tokenizer" / "tokenizer.json")
-    (d / "recipe.yaml").write_text("name: tiny\ntarget: native\n")
+    write_engine_config(d)
     (d / "manifest.json").write_text(json.dumps({"name": "tiny", "version": v, "build_id": f"b{v}"}))
     return d
 
 
 def test_concurrent_emission_into_one_repository(tmp_path, pair):
-    from bpcompile.triton.emit import emit_repository
+    from bpcompile.serving.emit import emit_repository
 
     engines = [_stand_in_engine(tmp_path / "engines", v, pair[0]) for v in range(1, 6)]
     repo = tmp_path / "repo"
     emit_repository([(1, engines[0])], repo)
     go = tmp_path / "go"
-    code = ("import sys, time, pathlib\nfrom bpcompile.triton.emit import publish_version\n"
+    code = ("import sys, time, pathlib\nfrom bpcompile.serving.emit import publish_version\n"
             "go = pathlib.Path(sys.argv[1])\nwhile not go.exists(): time.sleep(0.002)\n"
             "publish_version(sys.argv[2], sys.argv[3], int(sys.argv[4]))\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(go), str(repo), str(e), str(v)],

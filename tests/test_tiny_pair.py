@@ -2,7 +2,7 @@
 held-out text, the draft agreeing with it often enough to speculate, and models/tiny/metrics.json true.
 
 Recomputed here through transformers (as any consumer loads them), independently of the training
-script: the held-out split of bpcompile.corpus, cut into windows of <s> + 255 tokens.
+script: the held-out split of bpcompile.build.corpus, cut into windows of <s> + 255 tokens.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bpcompile import corpus
+from bpcompile.build import corpus
 from conftest import TINY
 
 SEQ = 256

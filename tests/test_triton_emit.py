@@ -8,17 +8,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("tritonclient.grpc")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from bpcompile.errors import UserError  # noqa: E402
-from bpcompile.triton import emit  # noqa: E402
-from bpcompile.triton.emit import (add_version, emit_repository, mc, publish_version, read_config,  # noqa: E402
+from bpcompile.core.errors import UserError  # noqa: E402
+from bpcompile.serving import emit
+from bpcompile.serving.emit import (add_version, emit_repository, mc, publish_version, read_config,  # noqa: E402
                                    set_version_policy)
-from bpcompile.triton.protocol import context_window, delta_text, pack_words, unpack_words  # noqa: E402
+from bpcompile.serving.protocol import context_window, delta_text, pack_words, unpack_words  # noqa: E402
+from conftest import write_engine_config  # noqa: E402
 
 TINY_TOK = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
 MODELS = ("ensemble", "preprocessing", "generator", "postprocessing")
@@ -37,7 +37,7 @@ def engine_dir(root: Path, version: int, target: str = "native", **recipe) -> Pa
     r = {"name": "tiny", "target": target, "limits": {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512},
          "speculative": {"tree": "dynamic", "nodes": 5}, "triton": {"version_policy": "latest", "generator_instances": 1}}
     r.update(recipe)
-    (d / "recipe.yaml").write_text(yaml.safe_dump(r))
+    write_engine_config(d, **r)
     (d / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version, "build_id": f"b{version}"}))
     return d
 
@@ -189,7 +189,7 @@ def test_emit_reads_recipe_and_refuses_overwrite(tmp_path):
     assert json.loads(g.parameters["tree"].string_value) == {"kind": "none"}
     with pytest.raises(UserError, match="already holds"):
         emit_repository([(1, e)], tmp_path / "repo")
-    with pytest.raises(UserError, match="recipe.yaml"):
+    with pytest.raises(UserError, match="engine.json is missing"):
         emit_repository([(1, tmp_path)], tmp_path / "other")
 
 
@@ -261,7 +261,7 @@ def test_a_switch_killed_halfway_is_finished_by_repair(tmp_path):
     repo = tmp_path / "repo"
     e1, e2 = engine_dir(tmp_path / "engines", 1), engine_dir(tmp_path / "engines", 2)
     emit_repository([(1, e1)], repo)
-    code = "import sys; from bpcompile.triton.emit import add_version; add_version(sys.argv[1], 2, sys.argv[2])"
+    code = "import sys; from bpcompile.serving.emit import add_version; add_version(sys.argv[1], 2, sys.argv[2])"
     r = subprocess.run([sys.executable, "-c", code, str(repo), str(e2)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "BPCOMPILE_FAULT_AT": "switch"})
     assert r.returncode == -9, r.stderr

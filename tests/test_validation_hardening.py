@@ -17,8 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from bpcompile.cli import main
-from bpcompile.errors import UserError
+from bpcompile.core.errors import UserError
 from pairs import make_pair, write_recipe
+from conftest import write_engine_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +138,7 @@ def test_patching_alone_keeps_a_valid_checkpoint(tmp_path, pair):
     """The control for the corruption cases: rewriting the header unchanged leaves a file both readers accept."""
     from safetensors import safe_open
 
-    from bpcompile.hf import TensorReader
+    from bpcompile.build.hf import TensorReader
 
     v = corrupt(pair[0], tmp_path / "v", lambda h, data: (h, data))
     code, out = run("validate", write_recipe(tmp_path / "r.yaml", v, pair[1]))
@@ -162,7 +163,7 @@ def test_corrupt_safetensors_header_is_refused(tmp_path, pair, how):
     assert "model.safetensors" in out and "models.verifier.path" in out and "Traceback" not in out
     code, out = run("inspect", v)
     assert code == 2 and "model.safetensors" in out, out
-    from bpcompile.convert import convert_checkpoint
+    from bpcompile.build.convert import convert_checkpoint
     with pytest.raises(UserError):
         convert_checkpoint(v, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -200,13 +201,13 @@ def test_kv_pool_that_does_not_fit_in_memory_is_refused(tmp_path, pair):
 
 
 def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
-    from bpcompile.hf import read_hf_config
-    from bpcompile.kvcache import KVPlan, kv_store_factory
-    from bpcompile.recipe import kv_pool_bytes, load_recipe
-    from bpcompile.runtime import Generator
-    from bpcompile.speculative import TreeSpec
-    from bpcompile.convert import convert_checkpoint
-    from bpcompile.model import Llama
+    from bpcompile.build.hf import read_hf_config
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+    from bpcompile.build.recipe import kv_pool_bytes, load_recipe
+    from bpcompile.runtime.generator import Generator
+    from bpcompile.runtime.speculative import TreeSpec
+    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.runtime.model import Llama
 
     models = {}
     for role, d in zip(("verifier", "draft"), pair):
@@ -272,7 +273,7 @@ def test_huge_layer_count_is_refused_against_the_tensors(tmp_path, pair):
     code, out = run_subprocess("validate", write_recipe(tmp_path / "r.yaml", v, pair[1]), timeout=60)
     assert code == 2 and "num_hidden_layers" in out and "2 layers" in out, out
     assert time.perf_counter() - t < 30
-    from bpcompile.convert import convert_checkpoint
+    from bpcompile.build.convert import convert_checkpoint
     with pytest.raises(UserError, match="num_hidden_layers"):
         convert_checkpoint(v, tmp_path / "out")
 
@@ -361,10 +362,10 @@ KERNEL_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, "tests")
 from test_runtime import random_llama, noisy_copy
-from bpcompile.model import ModelConfig
-from bpcompile.kvcache import KVPlan, kv_store_factory
-from bpcompile.runtime import Generator, SamplingParams
-from bpcompile.speculative import TreeSpec
+from bpcompile.runtime.model import ModelConfig
+from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+from bpcompile.runtime.generator import Generator, SamplingParams
+from bpcompile.runtime.speculative import TreeSpec
 
 cfg = ModelConfig(vocab_size=128, hidden_size=96, num_layers=2, num_heads=2, num_kv_heads=1, head_size=48,
                   intermediate_size=128)
@@ -394,16 +395,14 @@ def test_kernel_path_falls_back_for_head_size_48():
 
 
 def test_native_runtime_enforces_max_input_len(tmp_path, pair):
-    import yaml
 
-    from bpcompile.convert import convert_checkpoint
-    from bpcompile.runtime import Generator, SamplingParams
-    from bpcompile.speculative import TreeSpec
+    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.speculative import TreeSpec
 
     eng = tmp_path / "eng"
     convert_checkpoint(pair[0], eng / "verifier")
-    (eng / "recipe.yaml").write_text(yaml.safe_dump({"limits": {"max_batch_size": 2, "max_input_len": 8,
-                                                                "max_seq_len": 64}}))
+    write_engine_config(eng, limits={"max_batch_size": 2, "max_input_len": 8, "max_seq_len": 64})
     gen = Generator.from_engine(eng, tree=TreeSpec("none"))
     p = SamplingParams(max_tokens=4)
     with pytest.raises(UserError, match=r"9 tokens, more than limits.max_input_len \(8\)"):
@@ -415,11 +414,12 @@ def test_native_runtime_enforces_max_input_len(tmp_path, pair):
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
 def test_native_runtime_refuses_non_finite_temperature(tmp_path, pair, temperature):
-    from bpcompile.convert import convert_checkpoint
-    from bpcompile.runtime import Generator, SamplingParams
-    from bpcompile.speculative import TreeSpec
+    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.speculative import TreeSpec
 
     convert_checkpoint(pair[0], tmp_path / "eng" / "verifier")
+    write_engine_config(tmp_path / "eng")
     gen = Generator.from_engine(tmp_path / "eng", tree=TreeSpec("none"))
     with pytest.raises(UserError, match="finite temperature"):
         gen.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=temperature))

@@ -1,0 +1,310 @@
+"""KV calibration: decide which (layer, KV head, K|V) units stay FP8 and the static INT4 scales.
+
+Runs the verifier over calibration text, captures post-RoPE q/k/v of every layer through the
+`attend` seam of `Llama.forward`, and measures for every unit the error that quantizing *only that
+unit* causes in the layer's attention output (after the output projection, relative to it): what
+the next layer actually sees, not the K/V error itself (a key error matters as much as it moves the
+softmax, a value error as much as the head is attended to).
+
+The default (`rotation: hadamard`) stores every K and V vector rotated by an orthonormal Hadamard
+matrix, which spreads outlier channels over the whole vector before per-token INT4 quantization.
+Before the rotation keys are centered by their static per-channel mean (exact: q·(k - m) differs
+from q·k by a constant per query, which softmax ignores; the store adds m back anyway) and divided by
+a query-aware channel scale c = sqrt(rms(k - m) / rms(q)) per channel: it minimizes the quantization
+error of the logits q·k (not of k) for isotropic error after the rotation, and the kernels fold c
+into q. Per unit the search picks the scale exponent and the INT4 clip ratio with the smallest
+layer-output error. The units with the largest remaining INT4 error take the outlier precision
+(FP8 by default; INT8 costs the same bytes and was within calibration noise of it on SmolLM2-135M),
+`round(outlier_fraction * units)` of them (at least one when the fraction is > 0);
+ties go to the lower unit id, so the plan is a pure function of the model and the samples.
+`rotation: none` is the previous recipe (pair-tied absmax key scale, FP8 outliers).
+Format: docs/KV_FORMAT.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace, dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from bpcompile.core.errors import UserError
+from bpcompile.runtime.kvcache import ROTATIONS, KVPlan, fake_quantize
+from bpcompile.runtime.model import Llama, causal_attend
+
+RECIPE_FORMATS = {"int4-fp8-outlier", "fp8", "int8", "fp16", "int4-naive"}
+
+
+@dataclass
+class KVCalibConfig:
+    format: str = "int4-fp8-outlier"
+    outlier_fraction: float = 0.08
+    group_size: int = 64
+    # key channel scale c_i = (pair-tied absmax_i)^alpha, searched per K unit; 0.0 = no scaling
+    key_scale_alphas: tuple = (0.0, 0.5, 1.0)
+    # static INT4 clip ratios searched per unit (1.0 = plain absmax)
+    clip_ratios: tuple = (1.0, 0.95, 0.9, 0.85)
+    rotation: str = "auto"  # "auto" (hadamard where the head size is a power of two) | "hadamard" | "none"
+    key_centering: bool = True  # subtract the keys' static per-channel mean (with rotation only)
+    outlier_precision: str = "fp8"  # "fp8" | "int8": what the most sensitive units are stored in
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> "KVCalibConfig":
+        """From the recipe's kv_cache section (unknown keys such as page_size are not ours: ignored)."""
+        d = dict(d or {})
+        names = {f.name for f in fields(cls)}
+        cfg = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
+        if cfg.format not in RECIPE_FORMATS:
+            raise UserError(f"unknown format {cfg.format!r}; expected one of {sorted(RECIPE_FORMATS)}",
+                            key="kv_cache.format")
+        if not 0.0 <= cfg.outlier_fraction <= 1.0:
+            raise UserError(f"outlier_fraction must be in [0, 1], got {cfg.outlier_fraction}",
+                            key="kv_cache.outlier_fraction")
+        if cfg.rotation not in ROTATIONS + ("auto",):
+            raise UserError(f"unknown rotation {cfg.rotation!r}; expected one of {', '.join(ROTATIONS)}",
+                            key="kv_cache.rotation")
+        if cfg.outlier_precision not in ("int8", "fp8"):
+            raise UserError(f"outlier_precision must be int8 or fp8, got {cfg.outlier_precision!r}",
+                            key="kv_cache.outlier_precision")
+        if not cfg.clip_ratios or not all(0 < r <= 1 for r in cfg.clip_ratios):
+            raise UserError(f"clip_ratios must be in (0, 1], got {list(cfg.clip_ratios)}", key="kv_cache.clip_ratios")
+        return cfg
+
+    @property
+    def outlier(self) -> str:
+        return self.outlier_precision
+
+
+def n_outlier_units(fraction: float, units: int) -> int:
+    """round(fraction * units), half up, at least 1 when fraction > 0."""
+    if fraction <= 0:
+        return 0
+    return min(units, max(1, math.floor(fraction * units + 0.5)))
+
+
+def capture_qkv(verifier: Llama, samples: list[list[int]], batch: int = 8):
+    """Post-RoPE (q, k, v) per layer, each [N, T, heads, D] over all samples (equal lengths)."""
+    lens = {len(s) for s in samples}
+    if len(lens) != 1 or min(lens) < 2:
+        raise UserError(f"calibration samples must be non-empty and of one length >= 2, got lengths {sorted(lens)}",
+                        key="calibration.length")
+    per_layer: list[list[tuple]] = [[] for _ in range(verifier.cfg.num_layers)]
+
+    def attend(layer, q, k, v):
+        per_layer[layer].append((q.float().cpu(), k.float().cpu(), v.float().cpu()))
+        return causal_attend(q, k, v)
+
+    dev = verifier.device
+    for i in range(0, len(samples), batch):
+        tokens = torch.tensor(samples[i:i + batch], dtype=torch.long, device=dev)
+        verifier.forward(tokens, attend=attend, last_only=True)
+    return [tuple(torch.cat(parts, 0) for parts in zip(*layer)) for layer in per_layer]
+
+
+def key_channel_scale(k: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Static per-channel key scale for one KV head from post-RoPE keys k [..., D].
+
+    RoPE rotates channel pairs (i, i + D/2) into each other, so both get the same scale (the max of
+    their absmax): the scale then commutes with RoPE and means the same before and after it.
+    Normalized to geometric mean 1 (only ratios matter under per-token scaling).
+    """
+    d = k.shape[-1]
+    amax = k.abs().reshape(-1, d).amax(0).double()
+    m = torch.maximum(amax[: d // 2], amax[d // 2:]).clamp(min=1e-6)
+    c = torch.cat((m, m)) ** alpha
+    return (c / torch.exp(torch.log(c).mean())).float()
+
+
+def query_aware_key_scale(q: torch.Tensor, k: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """Static key channel scale for one KV head from its queries q [..., R, D] (the GQA group) and its
+    (centered) keys k [..., D]: c_i = (rms(k_i) / rms(q_i))^(alpha/2), geometric mean 1.
+
+    Storing k/c and attending with q∘c leaves q·k unchanged; with error of equal size in every channel
+    of k/c (what the rotation gives) the logit error is sum_i (q_i c_i e_i)^2, and sum_i q_i^2 c_i^2 times
+    sum_i k_i^2 / c_i^2 (the size of that error) is smallest at c_i^2 = |k_i| / |q_i| (Cauchy-Schwarz)."""
+    d = k.shape[-1]
+    kr = k.reshape(-1, d).double().pow(2).mean(0).sqrt()
+    qr = q.reshape(-1, d).double().pow(2).mean(0).sqrt()
+    c = (kr.clamp(min=1e-6) / qr.clamp(min=1e-6)) ** (alpha / 2)
+    return (c / torch.exp(torch.log(c).mean())).float()
+
+
+class _LayerProbe:
+    """Error of one layer's attention output (after the output projection) when one unit is perturbed."""
+
+    def __init__(self, verifier: Llama, layer: int, q, k, v):
+        c = verifier.cfg
+        self.q, self.k, self.v, self.D = q, k, v, c.head_size
+        self.rep = c.num_heads // c.num_kv_heads
+        self.w = verifier.w[f"transformer.layers.{layer}.attention.dense.weight"].float().cpu()
+        o = causal_attend(q, k, v)
+        self.o = o
+        out = o.reshape(*o.shape[:2], -1) @ self.w.T
+        self.ref_norm = out.double().norm().item()
+
+    def error(self, head: int, k_new=None, v_new=None) -> float:
+        """Relative error of the layer output with KV head `head`'s K or V replaced."""
+        g = slice(head * self.rep, (head + 1) * self.rep)
+        k = self.k[:, :, head:head + 1] if k_new is None else k_new[:, :, None]
+        v = self.v[:, :, head:head + 1] if v_new is None else v_new[:, :, None]
+        o = causal_attend(self.q[:, :, g], k, v)
+        d = (o - self.o[:, :, g]).reshape(*o.shape[:2], -1)
+        w = self.w[:, head * self.rep * self.D:(head + 1) * self.rep * self.D]
+        return (d @ w.T).double().norm().item() / max(self.ref_norm, 1e-30)
+
+
+def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig) -> dict:
+    """Per-unit errors and the best static INT4 settings; independent of the outlier fraction."""
+    c = verifier.cfg
+    G = min(cfg.group_size, c.head_size)
+    pow2 = not c.head_size & (c.head_size - 1)
+    if cfg.rotation == "auto":  # a Sylvester Hadamard matrix exists for powers of two only
+        cfg = replace(cfg, rotation="hadamard" if pow2 else "none")
+    rotate = cfg.rotation == "hadamard"
+    if rotate and not pow2:
+        raise UserError(f"rotation: hadamard needs a power-of-two head size, the model has {c.head_size}",
+                        key="kv_cache.rotation")
+    center = rotate and cfg.key_centering
+    rep = c.num_heads // c.num_kv_heads
+    captured = capture_qkv(verifier, samples)
+    units = []  # in global unit id order: (layer * 2 + kv) * KV + head
+    kcs = torch.ones(c.num_layers, c.num_kv_heads, c.head_size)
+    k_mean = torch.zeros(c.num_layers, c.num_kv_heads, c.head_size) if center else None
+    for layer, (q, k, v) in enumerate(captured):
+        probe = _LayerProbe(verifier, layer, q, k, v)
+        for kv, name in ((0, "k"), (1, "v")):
+            for h in range(c.num_kv_heads):
+                x = (k if kv == 0 else v)[:, :, h]
+                mean = None
+                if kv == 0 and center:
+                    mean = k_mean[layer, h] = x.reshape(-1, c.head_size).double().mean(0).float()
+                put = (lambda y: probe.error(h, k_new=y)) if kv == 0 else (lambda y: probe.error(h, v_new=y))
+                naive = put(fake_quantize(x, "int4", c.head_size))
+
+                def scale(alpha):
+                    if not alpha:
+                        return None
+                    if rotate:
+                        return query_aware_key_scale(q[:, :, h * rep:(h + 1) * rep], x - (mean if mean is not None else 0), alpha)
+                    return key_channel_scale(x, alpha)
+
+                best = None  # (error, alpha, clip): first minimum in grid order wins
+                for alpha in (cfg.key_scale_alphas if kv == 0 else (0.0,)):
+                    cs = scale(alpha)
+                    for clip in cfg.clip_ratios:
+                        e = put(fake_quantize(x, "int4", G, cs, clip, mean, rotate))
+                        if best is None or e < best[0]:
+                            best = (e, alpha, clip)
+                cs = scale(best[1])
+                if kv == 0 and cs is not None:
+                    kcs[layer, h] = cs
+                # the outlier precision keeps the unit's mean, scale and rotation (without a rotation FP8 has
+                # per-element exponents: channel scaling buys nothing, and its units get c = 1)
+                out_cs = cs if rotate else None
+                units.append({"layer": layer, "kind": name, "head": h, "int4_error": best[0],
+                              "outlier_error": put(fake_quantize(x, cfg.outlier, G, out_cs, 1.0, mean, rotate)),
+                              "naive_int4_error": naive, "key_scale_alpha": best[1], "clip": best[2]})
+    return {"units": units, "k_channel_scale": kcs, "group_size": cfg.group_size, "rotation": cfg.rotation,
+            "k_mean": k_mean, "outlier_precision": cfg.outlier}
+
+
+def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-fp8-outlier"):
+    """KVPlan + per-layer report for one outlier fraction from `measure_units` output."""
+    c = model_cfg
+    units = m["units"]
+    n_fp8 = n_outlier_units(fraction, len(units))
+    order = sorted(range(len(units)), key=lambda u: (-units[u]["int4_error"], u))
+    fp8 = set(order[:n_fp8])
+    outlier, rotation = m.get("outlier_precision", "fp8"), m.get("rotation", "none")
+    prec = [{"k": [], "v": []} for _ in range(c.num_layers)]
+    clip = torch.ones(c.num_layers, 2, c.num_kv_heads)
+    kcs = m["k_channel_scale"].clone()
+    layers = [{"layer": i, "units": []} for i in range(c.num_layers)]
+    for u, r in enumerate(units):
+        p = outlier if u in fp8 else "int4"
+        prec[r["layer"]][r["kind"]].append(p)
+        kv = 0 if r["kind"] == "k" else 1
+        if p == "int4":
+            clip[r["layer"], kv, r["head"]] = r["clip"]
+        elif kv == 0 and rotation == "none":
+            kcs[r["layer"], r["head"]] = 1.0  # FP8 has per-element exponents: channel scaling buys nothing
+        layers[r["layer"]]["units"].append({**r, "precision": p})
+    plan = KVPlan(fmt, c.num_layers, c.num_kv_heads, c.head_size, m["group_size"], prec,
+                  k_channel_scale=kcs, int4_clip=clip, outlier_fraction=fraction, rotation=rotation,
+                  k_mean=m.get("k_mean"))
+    report = {"format": fmt, "outlier_fraction": fraction, "units": len(units), "fp8_units": n_fp8,
+              "outlier_precision": outlier, "rotation": rotation, "key_centering": m.get("k_mean") is not None,
+              "group_size": plan.effective_group_size, "bytes_per_token": plan.bytes_per_token(),
+              "compression_vs_fp16": round(plan.compression_vs_fp16(), 4),
+              "error_metric": "relative error of the layer's attention output (after o_proj), only that unit quantized",
+              "layers": layers}
+    plan.calibration = {k: v for k, v in report.items() if k != "layers"} | {"layers": _compact(layers)}
+    return plan, report
+
+
+def _compact(layers: list) -> list:
+    """The per-layer table as stored in plan.json (rounded: the plan file stays small and stable)."""
+    return [{"layer": l["layer"], "units": [
+        {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in u.items() if k != "layer"}
+        for u in l["units"]]} for l in layers]
+
+
+def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None) -> tuple[KVPlan, dict]:
+    """(KVPlan, report) for the verifier. kv_config: KVCalibConfig or the recipe's kv_cache dict."""
+    cfg = kv_config if isinstance(kv_config, KVCalibConfig) else KVCalibConfig.from_dict(kv_config)
+    c = verifier.cfg
+    if cfg.format != "int4-fp8-outlier":
+        plan = KVPlan.uniform(cfg.format, c.num_layers, c.num_kv_heads, c.head_size, cfg.group_size)
+        report = {"format": cfg.format, "units": c.num_layers * c.num_kv_heads * 2,
+                  "compression_vs_fp16": round(plan.compression_vs_fp16(), 4), "layers": []}
+        plan.calibration = report
+        return plan, report
+    return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction)
+
+
+def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, length: int) -> list[list[int]]:
+    """n non-overlapping BOS-prefixed windows of `length` ids from a user's calibration text file."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    try:
+        text = Path(text_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read calibration text: {e}", file=str(text_file), key="calibration.source") from None
+    ids = tok.encode(text, add_special_tokens=False).ids
+    bos = tok.token_to_id("<s>")
+    body = length - 1 if bos is not None else length
+    wins = [ids[s:s + body] for s in range(0, len(ids) - body + 1, body)][:n]
+    if len(wins) < n:
+        raise UserError(f"calibration text has {len(ids)} tokens: not enough for {n} samples of {length}",
+                        file=str(text_file), key="calibration.samples")
+    return [([bos] if bos is not None else []) + w for w in wins]
+
+
+def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict, calibration_cfg: dict,
+                           out_dir, calibration_file=None) -> dict:
+    """Build stage: calibrate the converted verifier and write `out_dir` (= <version>/kv_plan/)."""
+    cfg = KVCalibConfig.from_dict(kv_cache_cfg)
+    cal = dict(calibration_cfg or {})
+    n, length = int(cal.get("samples", 16)), int(cal.get("length", 128))
+    verifier = Llama.from_checkpoint(verifier_ckpt_dir)
+    if cfg.format == "int4-fp8-outlier":
+        if calibration_file:
+            samples = text_file_samples(tokenizer_dir, calibration_file, n, length)
+        else:
+            from bpcompile.build.corpus import calibration_samples
+
+            samples = calibration_samples(tokenizer_dir, n, length)
+    else:
+        samples = []
+    plan, report = calibrate(verifier, samples, cfg)
+    plan.calibration["samples"] = {"n": len(samples), "length": length,
+                                   "source": str(calibration_file) if calibration_file else cal.get("source")}
+    plan.save(out_dir)
+    fp8 = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"]
+           if u["precision"] not in ("int4", None)]
+    return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
+                      f"{report.get('outlier_precision', 'fp8').upper()}{', rotated' if report.get('rotation') == 'hadamard' else ''} "
+                      f"{' '.join(fp8)}, {report['compression_vs_fp16']:.2f}x vs FP16",
+            "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8}

@@ -1,0 +1,329 @@
+"""The recipe: one YAML file that says what to build. Validated into typed models (pydantic).
+
+Every problem is reported as a `UserError` naming the file, the line, the key and what was expected;
+`load_recipe` collects all of them (a user fixing a recipe wants the whole list, not one per run).
+Paths in a recipe are relative to the recipe file's directory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from bpcompile.core.engine import EngineConfig, _Strict
+from bpcompile.core.errors import UserError
+
+
+class ModelSpec(_Strict):
+    path: str = Field(description="HF checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+
+class Models(_Strict):
+    verifier: ModelSpec
+    draft: ModelSpec
+
+
+class Calibration(_Strict):
+    source: str = Field("builtin:pydoc-topics", description="'builtin:pydoc-topics' (the tiny pair's training split) or a text file")
+    samples: int = Field(16, ge=1)
+    length: int = Field(128, ge=8)
+
+
+class Output(_Strict):
+    store: str = "../engines"
+    triton_repo: str = "../triton_repo"
+
+
+class Kernels(_Strict):
+    arch: str = Field("sm_90a", pattern=r"^sm_\d+a?$")
+    compile: bool = True
+
+
+class Recipe(EngineConfig):
+    models: Models
+    calibration: Calibration = Calibration()
+    output: Output = Output()
+    kernels: Kernels = Kernels()
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe plus where it came from; paths resolved against the recipe's directory."""
+
+    recipe: Recipe
+    file: Path
+    verifier_dir: Path
+    draft_dir: Path
+    store_dir: Path
+    triton_repo_dir: Path
+    calibration_file: Optional[Path] = None
+
+    def resolved_dict(self) -> dict:
+        """The recipe as built: defaults filled in, paths absolute. Stored in every engine version."""
+        d = self.recipe.model_dump(mode="json")
+        d["models"]["verifier"]["path"] = str(self.verifier_dir)
+        d["models"]["draft"]["path"] = str(self.draft_dir)
+        d["output"] = {"store": str(self.store_dir), "triton_repo": str(self.triton_repo_dir)}
+        if self.calibration_file:
+            d["calibration"]["source"] = str(self.calibration_file)
+        return d
+
+
+# --- locating problems in the YAML source ------------------------------------------------------
+
+def _line_index(text: str) -> dict[tuple, int]:
+    """Map key paths (tuples of keys / list indices) to 1-based line numbers using yaml's node marks."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node, path):
+        # a key's line is where the key is written, not where its (possibly nested) value starts
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                lines[path + (k.value,)] = k.start_mark.line + 1
+                walk(v, path + (k.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                lines.setdefault(path + (i,), v.start_mark.line + 1)
+                walk(v, path + (i,))
+
+    try:
+        root = yaml.compose(text, Loader=_NoAliasLoader)
+    except (yaml.YAMLError, RecursionError):
+        return lines
+    if root is not None:
+        lines[()] = root.start_mark.line + 1
+        walk(root, ())
+    return lines
+
+
+def _line_for(lines: dict[tuple, int], loc: tuple) -> Optional[int]:
+    loc = tuple(loc)
+    while loc:
+        if loc in lines:
+            return lines[loc]
+        loc = loc[:-1]
+    return lines.get(())
+
+
+def _describe(err: dict) -> str:
+    kind, msg, inp = err["type"], err["msg"], err.get("input")
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind.startswith("value_error"):
+        return msg.removeprefix("Value error, ")
+    return f"{msg} (got {inp!r})" if not isinstance(inp, dict) else msg
+
+
+def _key(loc) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+MAX_RECIPE_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*name` references let a few hundred bytes expand into gigabytes
+    ("billion laughs"); a recipe is short enough to write out in full."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"YAML aliases (*{ev.anchor}) are not allowed in a "
+                                              "recipe; write the value out", ev.start_mark)
+        return super().compose_node(parent, index)
+
+
+def parse_recipe(path: str | Path) -> tuple[Recipe, dict[tuple, int]]:
+    """Read and validate the YAML (types only; no filesystem checks). Raises UserError listing every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError("recipe file not found" if not path.exists() else "recipe is not a regular file",
+                        file=str(path))
+    with open(path, "rb") as f:
+        raw = f.read(MAX_RECIPE_BYTES + 1)
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise UserError(f"recipe is larger than {MAX_RECIPE_BYTES} bytes", file=str(path))
+    try:
+        text = raw.decode("utf-8")
+        data = yaml.load(text, Loader=_NoAliasLoader)
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text: {e}", file=str(path)) from None
+    except RecursionError:
+        raise UserError("not valid YAML: nested too deeply", file=str(path)) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise UserError(f"not valid YAML: {getattr(e, 'problem', e)}", file=str(path),
+                        line=mark.line + 1 if mark else None) from None
+    if not isinstance(data, dict):
+        raise UserError("a recipe is a YAML mapping with at least 'name' and 'models'", file=str(path))
+    lines = _line_index(text)
+    try:
+        return Recipe.model_validate(data), lines
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(p for p in err["loc"])
+            line = _line_for(lines, loc)
+            problems.append((line, f"{path}:{line}: {_key(loc)}: {_describe(err)}"))
+        problems.sort(key=lambda p: p[0] or 0)
+        first = e.errors()[0]
+        raise _many(path, problems, first["loc"]) from None
+
+
+def _many(path, problems, first_loc) -> UserError:
+    msg = "invalid recipe:\n  " + "\n  ".join(p for _, p in problems)
+    err = UserError(msg)
+    err.file, err.line, err.key = str(path), problems[0][0], _key(first_loc)
+    return err
+
+
+def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
+    """Parse, validate types, then check the world: paths exist, checkpoints are safetensors,
+    tokenizers match, tp/pp divide the model. All problems are reported together."""
+    path = Path(path).resolve()
+    recipe, lines = parse_recipe(path)
+    base = path.parent
+
+    def res(p: str) -> Path:
+        return (base / p).resolve() if not Path(p).is_absolute() else Path(p)
+
+    loaded = LoadedRecipe(
+        recipe=recipe, file=path,
+        verifier_dir=res(recipe.models.verifier.path), draft_dir=res(recipe.models.draft.path),
+        store_dir=res(recipe.output.store), triton_repo_dir=res(recipe.output.triton_repo),
+    )
+    src = recipe.calibration.source
+    if not src.startswith("builtin:"):
+        loaded.calibration_file = res(src)
+    if not check_files:
+        return loaded
+
+    problems: list[tuple[Optional[int], str]] = []
+
+    def problem(loc: tuple, msg: str):
+        line = _line_for(lines, loc)
+        problems.append((line, f"{path}:{line}: {_key(loc)}: {msg}"))
+
+    if src.startswith("builtin:") and src != "builtin:pydoc-topics":
+        problem(("calibration", "source"), f"unknown builtin source {src!r}; expected 'builtin:pydoc-topics' or a text file path")
+    elif loaded.calibration_file and not loaded.calibration_file.is_file():
+        problem(("calibration", "source"), f"calibration text file not found: {loaded.calibration_file}")
+
+    from bpcompile.build import hf
+    from bpcompile.build.hf import INPUT_GLOBS
+
+    configs = {}
+    tokenizers_ok = True
+    for role in ("verifier", "draft"):
+        d = getattr(loaded, f"{role}_dir")
+        try:
+            configs[role] = hf.read_hf_config(d)
+            # every header validated and every tensor the config implies present: headers only, instant
+            hf.check_weights(d, configs[role], hf.list_weights(d))
+        except UserError as e:
+            problem(("models", role, "path"), str(e))
+            continue
+        try:
+            hf.check_tokenizer(d)
+        except UserError as e:
+            problem(("models", role, "path"), str(e))
+            tokenizers_ok = False
+        # the build hashes these: a link to /dev/zero or a FIFO would hang it
+        for f in sorted({f for pat in INPUT_GLOBS for f in d.glob(pat)}):
+            if not f.is_file():
+                problem(("models", role, "path"), f"{f}: not a regular file")
+
+    if "verifier" in configs:
+        cfg = configs["verifier"]
+        heads = cfg["num_attention_heads"]
+        tp, pp = recipe.parallel.tp, recipe.parallel.pp
+        for role, c in configs.items():
+            h = c["num_attention_heads"]
+            k = c["num_key_value_heads"]
+            if h % tp:
+                problem(("parallel", "tp"), f"tp={tp} does not divide the {role}'s {h} attention heads")
+            elif k % tp and tp % k:
+                problem(("parallel", "tp"), f"tp={tp} and the {role}'s {k} KV heads: one must divide the other")
+            if role == "verifier" and c["num_hidden_layers"] < pp:  # the draft is not pipeline-split
+                problem(("parallel", "pp"), f"pp={pp} exceeds the {role}'s {c['num_hidden_layers']} layers")
+        hd = cfg["head_dim"]
+        gs = recipe.kv_cache.group_size
+        if recipe.kv_cache.format == "int4-fp8-outlier" and hd % gs:
+            problem(("kv_cache", "group_size"), f"group_size={gs} must divide the verifier's head size {hd}")
+        if "draft" in configs and tokenizers_ok:
+            ok, why = hf.tokenizers_equal(loaded.verifier_dir, loaded.draft_dir)
+            if not ok:
+                problem(("models", "draft", "path"),
+                        f"the draft's tokenizer differs from the verifier's ({why}); speculation needs the same vocabulary")
+        ctx = context_length(cfg)
+        if recipe.limits.max_seq_len > ctx:
+            problem(("limits", "max_seq_len"), f"{recipe.limits.max_seq_len} exceeds the verifier's context ({ctx})")
+        if recipe.target == "native":
+            need, have = kv_pool_bytes(recipe, cfg, configs.get("draft")), physical_memory()
+            if have and need > have:
+                problem(("limits", "max_batch_size"),
+                        f"the native runtime's KV cache for max_batch_size={recipe.limits.max_batch_size} x "
+                        f"max_seq_len={recipe.limits.max_seq_len} would take {need / 1e9:.1f} GB, more than this "
+                        f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len, or set "
+                        f"BPCOMPILE_KV_MEMORY_LIMIT to the serving machine's memory in bytes (0: no check)")
+
+    if problems:
+        problems.sort(key=lambda p: p[0] or 0)
+        msg = "invalid recipe:\n  " + "\n  ".join(p for _, p in problems)
+        err = UserError(msg)
+        err.file, err.line = str(path), problems[0][0]
+        raise err
+    return loaded
+
+
+def context_length(cfg: dict) -> int:
+    """Tokens a model (read_hf_config's form) can attend over. Linear RoPE scaling stretches the trained
+    max_position_embeddings by its factor; llama3 scaling configs already state the extended context in
+    max_position_embeddings (original_max_position_embeddings is the pre-extension one), as transformers reads them."""
+    sc = cfg.get("rope_scaling") or {}
+    if sc.get("rope_type") == "linear":
+        return int(cfg["max_position_embeddings"] * sc["factor"])
+    return cfg["max_position_embeddings"]
+
+
+def kv_pool_bytes(recipe: Recipe, verifier: dict, draft: Optional[dict]) -> int:
+    """Bytes of the KV caches the native runtime allocates up front for these limits (bpcompile.runtime.Generator:
+    max_batch_size sequences of max_seq_len + one step's tree, in pages; float caches in float32)."""
+    lim, kv, spec = recipe.limits, recipe.kv_cache, recipe.speculative
+    drafts = {"none": 0, "chain": spec.length, "static": len(spec.choices or []), "dynamic": spec.nodes}[spec.tree]
+    pages = lim.max_batch_size * -(-(lim.max_seq_len + drafts + 1) // kv.page_size) + 1
+    tokens = pages * kv.page_size
+
+    def per_token(cfg: dict, fmt: str) -> float:
+        L, H, D = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+        units = 2 * L * H  # (layer, KV head, K|V)
+        if fmt == "float32":
+            return units * D * 4
+        scales = units * 2 * (D // min(kv.group_size, D))  # one fp16 scale per group
+        wide = {"fp8": units, "int8": units, "int4-fp8-outlier": -(-units * kv.outlier_fraction // 1)}[fmt]
+        return scales + wide * D + (units - wide) * D / 2
+
+    v = per_token(verifier, "float32" if kv.format == "fp16" else kv.format)
+    d = per_token(draft, "float32") if draft is not None and spec.tree != "none" else 0
+    return int(tokens * (v + d))
+
+
+def physical_memory() -> Optional[int]:
+    """The memory the native runtime's KV cache must fit in: this machine's RAM, unless
+    $BPCOMPILE_KV_MEMORY_LIMIT (bytes) names the serving machine's (a build box is often not the server);
+    0 turns the check off."""
+    env = os.environ.get("BPCOMPILE_KV_MEMORY_LIMIT")
+    if env is not None:
+        try:
+            return int(env)
+        except ValueError:
+            raise UserError(f"BPCOMPILE_KV_MEMORY_LIMIT must be a number of bytes, got {env!r}") from None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,128 @@
+"""The engine config: what a built engine version is, in one typed model.
+
+The recipe's engine-facing sections are defined here (the recipe composes them, so a default has one home);
+the build writes the resolved sections as `engine.json` into the version, and the runtime, the repository
+emitter and the Triton models read it back with `EngineConfig.load`, never the YAML."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from bpcompile.core.errors import UserError
+
+ENGINE_FILE = "engine.json"
+TARGETS = ("native", "tensorrt-llm")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Parallel(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+
+class Limits(_Strict):
+    # Upper bounds catch typos before anything is sized from them; load_recipe also checks that the
+    # KV pool these limits imply fits in memory.
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_input_len: int = Field(256, ge=1)
+    max_seq_len: int = Field(512, ge=2, le=2**20)
+
+    @model_validator(mode="after")
+    def _input_fits(self):
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be smaller than max_seq_len ({self.max_seq_len})")
+        return self
+
+
+class KVCache(_Strict):
+    format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
+    outlier_fraction: float = Field(0.08, ge=0.0, le=1.0, description="share of (layer, head, K|V) units kept in FP8")
+    group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
+    page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
+    rotation: Literal["auto", "hadamard", "none"] = Field(
+        "auto", description="store K and V Hadamard-rotated (keys centered and query-scaled first); auto: where "
+                            "the head size is a power of two")
+    outlier_precision: Literal["fp8", "int8"] = Field("fp8", description="precision of the outlier units")
+
+
+class Speculative(_Strict):
+    tree: Literal["dynamic", "static", "chain", "none"] = "dynamic"
+    nodes: int = Field(5, ge=1, le=256, description="dynamic tree: node budget per step")
+    length: int = Field(5, ge=1, le=64, description="chain: draft tokens per step")
+    choices: Optional[list[list[int]]] = Field(None, description="static tree in Medusa/EAGLE notation")
+    backoff: bool = Field(True, description="draft less, or not at all for a while, when speculation does not pay")
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.tree == "static":
+            if not self.choices:
+                raise ValueError("tree 'static' needs 'choices', e.g. [[0], [1], [0, 0]]")
+            seen = {()}
+            for c in sorted(self.choices, key=len):
+                if not c or any(i < 0 for i in c):
+                    raise ValueError(f"choice {c} must be a non-empty list of non-negative top-k indices")
+                if tuple(c[:-1]) not in seen:
+                    raise ValueError(f"choice {c} has no parent {c[:-1]} in choices")
+                seen.add(tuple(c))
+        return self
+
+
+class Triton(_Strict):
+    emit: bool = True
+    version_policy: Union[Literal["latest", "all"], dict] = "latest"
+    generator_instances: int = Field(1, ge=1)
+
+    @field_validator("version_policy")
+    @classmethod
+    def _policy_shape(cls, v):
+        # the shapes bpcompile/serving/emit.py writes into config.pbtxt: a bad one must fail here, not after publishing
+        if isinstance(v, dict):
+            kind, n = next(iter(v.items())) if len(v) == 1 else (None, None)
+            if isinstance(n, dict):  # the protobuf-shaped form, {latest: {num_versions: 2}}
+                n = n.get("num_versions" if kind == "latest" else "versions")
+            if not ((kind == "latest" and type(n) is int and n >= 1)
+                    or (kind == "specific" and isinstance(n, list) and n
+                        and all(type(x) is int and x >= 1 for x in n))):
+                raise ValueError("expected latest, all, {latest: N} with N >= 1, or {specific: [N, ...]} "
+                                 "of positive versions")
+        return v
+
+
+class EngineConfig(_Strict):
+    """The resolved engine-facing sections of the recipe a version was built from (the recipe adds the
+    build's own sections: models, calibration, output, kernels)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    target: Literal[TARGETS] = "native"
+    parallel: Parallel = Parallel()
+    limits: Limits = Limits()
+    kv_cache: KVCache = KVCache()
+    speculative: Speculative = Speculative()
+    triton: Triton = Triton()
+
+    @classmethod
+    def from_sections(cls, sections: dict) -> "EngineConfig":
+        """From a resolved recipe (a dict with at least these sections; other keys are the build's own)."""
+        return cls.model_validate({k: sections[k] for k in cls.model_fields if k in sections})
+
+    def save(self, engine_dir: str | Path) -> None:
+        (Path(engine_dir) / ENGINE_FILE).write_text(self.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> "EngineConfig":
+        """The config of an engine version directory; UserError naming the file when it is missing or invalid."""
+        f = Path(engine_dir) / ENGINE_FILE
+        try:
+            return cls.model_validate_json(f.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{engine_dir} is not an engine version: {ENGINE_FILE} is missing "
+                            "(rebuild it with this bpcompile)", file=str(f)) from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            raise UserError(f"invalid engine config: {where}: {first['msg']}", file=str(f)) from None

@@ -1,0 +1,236 @@
+"""The native runtime's engine: in-flight batching with tree speculative decoding over paged KV caches.
+
+`Generator` composes the parts, each in its own module:
+- `Scheduler` (scheduler.py): admission into the running batch, KV pages reserved up front;
+- `Executor` (executor.py): one model over its paged cache (paged_kv.py: paging, attention metadata, the
+  attention function), tokens in, logits out;
+- `SpeculativeStep` (speculative_step.py): draft a tree per request, verify all trees in one verifier forward,
+  accept, compact both caches (the sequence-state conventions are documented there);
+- `apply_stops` (request.py): end id, stop words and max_tokens on the committed tokens.
+The in-flight loop that serves requests from other threads is inflight.py.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from bpcompile.core.engine import EngineConfig
+from bpcompile.core.errors import UserError
+from bpcompile.runtime.executor import Executor
+from bpcompile.runtime.model import Llama
+from bpcompile.runtime.paged_kv import DenseKV, KVStoreFactory, PagedKV, float_store_factory, kernels_for
+from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops
+from bpcompile.runtime.scheduler import Scheduler
+from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
+from bpcompile.runtime.speculative_step import SpeculativeStep
+
+__all__ = ["Generator", "SamplingParams", "StepOutput", "RequestStats", "TreeSpec"]
+
+
+class Generator:
+    """Single-threaded in-flight batching engine over a verifier and an optional draft: the scheduler admits
+    requests, the executors run the models over their paged caches, the speculative step drafts, verifies and
+    compacts, and `apply_stops` turns committed tokens into outputs."""
+
+    def __init__(self, verifier: Llama, draft: Optional[Llama], tree: Optional[TreeSpec], *, max_batch_size: int = 8,
+                 max_seq_len: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
+                 kv_store_factory: Optional[KVStoreFactory] = None, device: str = "cpu",
+                 draft_kv_store_factory: Optional[KVStoreFactory] = None, max_input_len: Optional[int] = None,
+                 dense_kv: bool = True, backoff: bool = True):
+        """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
+        plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
+        max_input_len: longest prompt accepted (default max_seq_len - 1). dense_kv: where the kernels do not run,
+        attend over a per-sequence DenseKV copy of the cache (False: gather from the store every time).
+        backoff: draft less or not at all while speculation does not pay (speculative.BackOff)."""
+        self.device = torch.device(device)
+        self.tree = tree or TreeSpec("none")
+        if self.tree.kind != "none" and draft is None:
+            raise UserError(f"tree speculation ({self.tree.kind}) needs a draft model")
+        if draft is not None and draft.cfg.vocab_size != verifier.cfg.vocab_size:
+            raise UserError(f"draft vocabulary {draft.cfg.vocab_size} != verifier vocabulary {verifier.cfg.vocab_size}")
+        if max_batch_size < 1 or max_seq_len < 2 or page_size < 1:
+            raise UserError("max_batch_size >= 1, max_seq_len >= 2 and page_size >= 1 are required")
+        self.verifier = verifier.to(self.device)
+        self.draft = draft.to(self.device) if (draft is not None and self.tree.kind != "none") else None
+        self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
+        self.max_input_len = max_input_len or max_seq_len - 1
+        self.g_max = self.tree.draft_tokens + 1
+        per_seq = -(-(max_seq_len + self.g_max) // page_size)
+        self.num_pages = num_pages or max_batch_size * per_seq + 1
+
+        def executor(model: Llama, factory: Optional[KVStoreFactory]) -> Executor:
+            store = (factory or float_store_factory(model.dtype))(model.cfg, self.num_pages, page_size,
+                                                                 str(self.device))
+            dense = DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device) \
+                if dense_kv and kernels_for(store, self.device) is None else None
+            return Executor(model, PagedKV(store, self.device, dense), self.device, self.g_max)
+
+        self.v_exec = executor(self.verifier, kv_store_factory)
+        self.d_exec = executor(self.draft, draft_kv_store_factory) if self.draft is not None else None
+        self.vkv = self.v_exec.kv
+        self.dkv = self.d_exec.kv if self.d_exec is not None else None
+        self.scheduler = Scheduler(max_batch_size, self.vkv.capacity)
+        self.spec = SpeculativeStep(self.v_exec, self.d_exec, self.tree, backoff=backoff)
+        self.outbox: list[StepOutput] = []
+
+    # ------------------------------------------------------------------------------------------ API
+
+    @classmethod
+    def from_engine(cls, engine_dir, *, tree: Optional[TreeSpec] = None, device: str = "cpu",
+                    kv_store_factory: Optional[KVStoreFactory] = None,
+                    draft_kv_store_factory: Optional[KVStoreFactory] = None) -> "Generator":
+        """Load engine_dir/verifier, engine_dir/draft (converted checkpoints), the engine config
+        (engine.json: speculative tree, limits, KV page size and format) and, unless a factory is given, the
+        verifier's KV plan in engine_dir/kv_plan (float cache without one)."""
+        d = Path(engine_dir)
+        if not (d / "verifier" / "config.json").is_file():
+            raise UserError(f"{d}: no converted verifier checkpoint (expected {d / 'verifier' / 'config.json'})")
+        cfg = EngineConfig.load(d)
+        spec, limits, kv = cfg.speculative, cfg.limits, cfg.kv_cache
+        has_draft = (d / "draft" / "config.json").is_file()
+        if tree is None:
+            tree = TreeSpec(spec.tree if has_draft else "none", length=spec.length, choices=spec.choices,
+                            nodes=spec.nodes)
+        if tree.kind != "none" and not has_draft:
+            raise UserError(f"{d}: tree {tree.kind!r} needs a draft checkpoint at {d / 'draft'}")
+        if kv_store_factory is None and (d / "kv_plan" / "plan.json").is_file():
+            # the engine's calibrated KV plan (INT4/FP8 units) describes the verifier's cache
+            from bpcompile.runtime.kvcache import KVPlan, kv_store_factory as plan_factory
+
+            kv_store_factory = plan_factory(KVPlan.load(d / "kv_plan"))
+        elif kv_store_factory is None and kv.format == "fp16":
+            kv_store_factory = float_store_factory(torch.float16)  # an FP16 cache whatever the model's dtype
+        verifier = Llama.from_checkpoint(d / "verifier")
+        draft = Llama.from_checkpoint(d / "draft") if tree.kind != "none" else None
+        return cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
+                   page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
+                   draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
+                   backoff=spec.backoff)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None) -> str:
+        p, V = params, self.verifier.cfg.vocab_size
+        if len(prompt_ids) > self.max_input_len:
+            raise UserError(f"prompt has {len(prompt_ids)} tokens, more than limits.max_input_len "
+                            f"({self.max_input_len})", key="max_input_len")
+        if not prompt_ids or not all(isinstance(t, int) and 0 <= t < V for t in prompt_ids):
+            raise UserError(f"prompt must be a non-empty list of token ids in [0, {V})")
+        if p.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1 (got {p.max_tokens})", key="max_tokens")
+        if len(prompt_ids) + p.max_tokens > self.max_seq_len:
+            raise UserError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_seq_len "
+                            f"({self.max_seq_len})", key="max_tokens")
+        # `not (x >= 0)` rather than `x < 0`: NaN fails every comparison and would slip through.
+        if not (0 <= p.temperature < math.inf) or p.top_k < 0 or not (0 < p.top_p <= 1):
+            raise UserError("a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.scheduler:
+            raise UserError(f"request id {rid!r} is already in use")
+        pages = -(-(len(prompt_ids) + p.max_tokens + self.g_max) // self.page_size)
+        if pages > self.vkv.capacity:
+            raise UserError(f"request needs {pages} KV pages, the cache has {self.vkv.capacity}")
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        rng = torch.Generator().manual_seed(seed)
+        s = Sampling(p.temperature, p.top_k, p.top_p, rng)
+        self.scheduler.add(Request(rid, list(prompt_ids), p, s, tokens=list(prompt_ids), pages=pages))
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        r = self.scheduler.drop_waiting(request_id)
+        if r is not None:
+            self.outbox.append(StepOutput(r.id, [], True, "cancelled", r.stats))
+        r = self.scheduler.running.get(request_id)
+        if r is not None:
+            self._release(r)
+            self.outbox.append(StepOutput(r.id, [], True, "cancelled", r.stats))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.outbox)
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        outs, self.outbox = self.outbox, []
+        old = list(self.scheduler.running.values())
+        new = self.scheduler.admit()
+        if new:
+            outs += self._prefill(new)
+        if old:
+            committed = self.spec.run(old)
+            outs += [self._emit(r, toks) for r, toks in zip(old, committed)]
+        return outs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_token: Optional[Callable[[int, list[int]], None]] = None) -> list[tuple[list[int], RequestStats]]:
+        """Run prompts to completion; on_token(prompt_index, new_tokens) streams."""
+        index = {self.add_request(p, params): i for i, p in enumerate(prompts)}
+        res: list = [None] * len(prompts)
+        toks: list[list[int]] = [[] for _ in prompts]
+        while self.has_work():
+            for o in self.step():
+                i = index.get(o.request_id)
+                if i is None:
+                    continue
+                toks[i] += o.new_tokens
+                if on_token and o.new_tokens:
+                    on_token(i, o.new_tokens)
+                if o.finished:
+                    res[i] = (toks[i], o.stats)
+        return res
+
+    # views for callers and benchmarks
+
+    @property
+    def running(self) -> dict[str, Request]:
+        return self.scheduler.running
+
+    @property
+    def reserved(self) -> int:
+        return self.scheduler.reserved
+
+    @property
+    def forwards(self) -> dict[str, int]:
+        """Batched forwards after prefill, per model."""
+        return {"draft": self.d_exec.forwards if self.d_exec is not None else 0, "verifier": self.v_exec.forwards}
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _release(self, r: Request) -> None:
+        self.vkv.release(r.id)
+        if self.dkv is not None:
+            self.dkv.release(r.id)
+        self.scheduler.finish(r)
+
+    def _pick(self, r: Request, row: torch.Tensor) -> int:
+        if r.sampling.greedy:
+            return int(row.argmax())
+        return sample(r.sampling.probs(row), r.sampling.rng)[0]
+
+    def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        last = self.v_exec.prefill(reqs, True)
+        first = [self._pick(r, last[b]) for b, r in enumerate(reqs)]
+        t1 = time.perf_counter()
+        if self.d_exec is not None:
+            self.d_exec.prefill(reqs, False)
+        t2 = time.perf_counter()
+        outs = []
+        for r, t in zip(reqs, first):
+            r.v_len = r.d_len = len(r.prompt)
+            r.tokens.append(t)
+            r.stats.verify_s += t1 - t0
+            r.stats.draft_s += t2 - t1
+            outs.append(self._emit(r, [t]))
+        t3 = time.perf_counter()
+        for r in reqs:
+            r.stats.bookkeeping_s += t3 - t2
+        return outs
+
+    def _emit(self, r: Request, toks: list[int]) -> StepOutput:
+        out = apply_stops(r, toks)
+        if out.finished:
+            self._release(r)
+        return out

@@ -1,0 +1,268 @@
+"""A small, readable PyTorch Llama that runs a *converted* (TensorRT-LLM format) checkpoint.
+
+It is the seed of the native runtime and the executable proof that conversion is right: tests
+compare its logits with `transformers` on the original HF checkpoint.
+
+Attention is a seam: `Llama.forward` computes q/k/v (RoPE applied) and hands them to an
+`attend(layer, q, k, v)` callback. Without one it does plain causal attention over the tokens it
+was given; the runtime passes a callback that appends k/v to its paged (possibly quantized) cache
+and attends over committed context plus a speculation tree. Custom kernels slot in there.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+# attend(layer, q[B,T,H,D], k[B,T,KV,D], v[B,T,KV,D]) -> out[B,T,H,D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attn_bias: bool = False
+    mlp_bias: bool = False
+    dtype: str = "float32"
+
+    @classmethod
+    def from_trtllm(cls, cfg: dict) -> "ModelConfig":
+        """From a TensorRT-LLM checkpoint config.json (the `config.json` next to its rank{N}.safetensors files)."""
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_size=cfg.get("head_size") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("norm_epsilon", 1e-5),
+            rope_theta=cfg.get("rotary_base", 10000.0),
+            rope_scaling=cfg.get("rotary_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=bool(cfg.get("attn_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            dtype=cfg.get("dtype", "float32"),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for rotary embeddings, with Llama-3 ("llama3") scaling as HF computes it."""
+    d = cfg.head_size
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "llama3":
+        factor = sc["factor"]
+        lo, hi = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc["original_max_position_embeddings"]
+        low_wl, high_wl = old_ctx / lo, old_ctx / hi
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wl - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wl >= high_wl) & (wl <= low_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv.to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX style rotation (rotate_half), as HF Llama and TRT-LLM's rope_gpt_neox do. x: [B,T,N,D].
+    `sin` has its first half negated (Llama.rope's tables), so rotate_half(x) * sin is roll(x, D/2) * sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalize in float32, cast back, then scale (torch's fused op, same values)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal GQA attention over the given tokens. q: [B,T,H,D], k/v: [B,T,KV,D]."""
+    rep = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    return out.transpose(1, 2)
+
+
+class _Linear(torch.nn.Module):
+    """y = x W^T + b with W kept transposed ([in, out], contiguous) as a buffer: on CPU a one-token x @ W^T
+    is a faster GEMV than F.linear over W [out, in] (an earlier profile found up to 1.4x for a large LM head).
+    Inference only; moved by `.to()` like any module state."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.register_buffer("wt", weight.t().contiguous())
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.wt.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.wt
+        return y if self.bias is None else y + self.bias
+
+
+class Block(torch.nn.Module):
+    """One decoder layer. gate and up projections are fused into one matrix at load time (one GEMM)."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], p: str):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("attn_norm", w[p + "input_layernorm.weight"])
+        self.register_buffer("mlp_norm", w[p + "post_layernorm.weight"])
+        self.qkv = _Linear(w[p + "attention.qkv.weight"], w.get(p + "attention.qkv.bias"))
+        self.o = _Linear(w[p + "attention.dense.weight"], w.get(p + "attention.dense.bias"))
+        # TRT-LLM naming: mlp.fc = HF gate_proj, mlp.gate = HF up_proj
+        fc_b, up_b = w.get(p + "mlp.fc.bias"), w.get(p + "mlp.gate.bias")
+        self.gate_up = _Linear(torch.cat((w[p + "mlp.fc.weight"], w[p + "mlp.gate.weight"])),
+                               torch.cat((fc_b, up_b)) if fc_b is not None else None)
+        self.down = _Linear(w[p + "mlp.proj.weight"], w.get(p + "mlp.proj.bias"))
+
+    def weights(self, p: str) -> dict[str, torch.Tensor]:
+        """This layer's tensors under TensorRT-LLM names (gate/up as views of the fused matrix)."""
+        inter = self.cfg.intermediate_size
+        out = {p + "input_layernorm.weight": self.attn_norm, p + "post_layernorm.weight": self.mlp_norm}
+        for name, lin in (("attention.qkv", self.qkv), ("attention.dense", self.o), ("mlp.proj", self.down)):
+            out[p + name + ".weight"] = lin.weight
+            if lin.bias is not None:
+                out[p + name + ".bias"] = lin.bias
+        for name, part in (("mlp.fc", slice(0, inter)), ("mlp.gate", slice(inter, 2 * inter))):
+            out[p + name + ".weight"] = self.gate_up.weight[part]
+            if self.gate_up.bias is not None:
+                out[p + name + ".bias"] = self.gate_up.bias[part]
+        return out
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                attend: Optional[AttendFn]) -> torch.Tensor:
+        c = self.cfg
+        B, T, _ = h.shape
+        H, KV, D = c.num_heads, c.num_kv_heads, c.head_size
+        qkv = self.qkv(rms_norm(h, self.attn_norm, c.norm_eps))
+        qk = apply_rope(qkv[..., :(H + KV) * D].view(B, T, H + KV, D), cos, sin)  # q and k heads in one go
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        v = qkv[..., (H + KV) * D:].view(B, T, KV, D)
+        o = attend(layer, q, k, v) if attend is not None else causal_attend(q, k, v)
+        h = h + self.o(o.reshape(B, T, H * D))
+        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, c.norm_eps)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class Llama(torch.nn.Module):
+    """A module tree (embedding, decoder blocks, final norm, head) built from full (unsharded) weights under
+    TensorRT-LLM tensor names. `w` gives them back under those names."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.layers = torch.nn.ModuleList(Block(cfg, w, f"transformer.layers.{i}.") for i in range(cfg.num_layers))
+        self.register_buffer("norm", w["transformer.ln_f.weight"])
+        # lm_head may be vocab-padded for tp; logits beyond vocab_size are dropped. Tied embeddings are one
+        # matrix: the head holds it, the embedding is a view of it.
+        emb = w["transformer.vocab_embedding.weight"]
+        self.tied = "lm_head.weight" not in w
+        self.head = _Linear(emb if self.tied else w["lm_head.weight"])
+        self.register_buffer("embedding", None if self.tied else emb)
+        self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # cos, sin tables [n, D] (sin sign-folded)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str | Path, dtype: Optional[torch.dtype] = torch.float32) -> "Llama":
+        """Load a converted TRT-LLM checkpoint (any tp/pp split): merge its rank files back into full tensors.
+        dtype None: the checkpoint's own dtype (its config's `dtype`)."""
+        from bpcompile.core.checkpoint import merge_ranks
+
+        ckpt_dir = Path(ckpt_dir)
+        cfg = ModelConfig.from_trtllm(json.loads((ckpt_dir / "config.json").read_text()))
+        if dtype is None:
+            dtype = getattr(torch, cfg.dtype)
+        return cls(cfg, merge_ranks(ckpt_dir), dtype)
+
+    def _apply(self, fn, *args, **kwargs):  # a dtype/device move invalidates the rotary tables
+        self._rope = None
+        out = super()._apply(fn, *args, **kwargs)
+        self.dtype = self.head.wt.dtype
+        return out
+
+    @property
+    def w(self) -> dict[str, torch.Tensor]:
+        """All weights under TensorRT-LLM names (views: modifying them modifies the model)."""
+        out = {"transformer.vocab_embedding.weight": self.embed, "transformer.ln_f.weight": self.norm,
+               "lm_head.weight": self.lm_head}
+        for i, blk in enumerate(self.layers):
+            out.update(blk.weights(f"transformer.layers.{i}."))
+        return out
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.head.weight
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.head.weight if self.tied else self.embedding
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.wt.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [B,T] -> each [B,T,1,D], looked up in tables computed once (as HF computes them:
+        float32 position * inv_freq, cos/sin, cast to the compute dtype). sin's first half is negated so that
+        apply_rope needs no negation."""
+        need = self.cfg.max_position_embeddings
+        if positions.device.type == "cpu" and positions.numel():
+            need = max(need, int(positions.max()) + 1)  # a cheap host read: positions past the config still work
+        if self._rope is None or self._rope[0].shape[0] < need:
+            n = torch.arange(need, device=self.device, dtype=torch.float32)
+            freqs = n[:, None] * rope_inv_freq(self.cfg).to(self.device)
+            half = freqs.shape[-1]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sign = torch.cat((-torch.ones(half, device=n.device), torch.ones(half, device=n.device)))
+            self._rope = (emb.cos().to(self.dtype), (emb.sin() * sign).to(self.dtype))
+        cos, sin = self._rope
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                attend: Optional[AttendFn] = None, last_only: bool = False) -> torch.Tensor:
+        """tokens, positions: [B,T] int64 -> logits [B,T,vocab] (float32)."""
+        c = self.cfg
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        cos, sin = self.rope(positions)
+        h = F.embedding(tokens, self.embed)
+        for i, blk in enumerate(self.layers):
+            h = blk(h, cos, sin, i, attend)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.head(rms_norm(h, self.norm, c.norm_eps))
+        return logits[..., : c.vocab_size].float()

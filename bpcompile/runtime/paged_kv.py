@@ -1,0 +1,282 @@
+"""Paged KV caches and the attention over them.
+
+- `PagedKV` decides *which* slots a sequence uses: fixed-size pages, one block table per sequence, a free list.
+  Page 0 is never handed out: padding tokens of a batch write their K/V there.
+- A `KVStore` (bpcompile/runtime/kvcache.py, float or quantized) decides *how* K/V sit in those slots.
+- `AttnBatch` is a batch's attention metadata (block tables, context and tree lengths, the packed tree mask);
+  `paged_attention` is the one attention function over it (plain PyTorch here; the Triton kernels replace it
+  where they run), `dense_attention` the same over a `DenseKV` copy.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from bpcompile.kernels.tree_mask import unpack_tree_mask
+from bpcompile.runtime.kvcache import FloatKVStore, KVStore
+from bpcompile.runtime.model import ModelConfig
+
+KVStoreFactory = Callable[[ModelConfig, int, int, str], KVStore]  # (model cfg, num_pages, page_size, device)
+
+
+def float_store_factory(dtype: torch.dtype) -> KVStoreFactory:
+    """Unquantized pages in `dtype` (the model's own, or FP16 for `kv_cache.format: fp16`)."""
+    def make(cfg: ModelConfig, num_pages: int, page_size: int, device) -> KVStore:
+        return FloatKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, num_pages, page_size,
+                            dtype=dtype, device=device)
+    return make
+
+
+class DenseKV:
+    """What the store returns for each sequence's logical entries, kept contiguous per sequence in the compute
+    dtype: k, v [L, rows + 1, KV, S, D]; the last row takes padding writes.
+
+    The PyTorch attention path reads a sequence's keys as a slice of it instead of gathering (and dequantizing)
+    every page at every layer of every step; a write dequantizes only the entries just written (`store.read` of
+    their slots), so it holds exactly what the store holds. It is a host-side float copy of the cache: the
+    store keeps the bytes of record (what kernels read, what `nbytes` counts)."""
+
+    def __init__(self, store: KVStore, rows: int, length: int, dtype: torch.dtype, device):
+        self.shape = [store.num_layers, rows + 1, store.num_kv_heads, 0, store.head_size]
+        self.length, self.dtype, self.device = length, dtype, device
+        self.k = self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.null = rows
+        self.free = list(range(rows - 1, -1, -1))
+        # a FloatKVStore returns exactly what it was given, cast to its dtype: no need to read it back
+        self.plain = type(store) is FloatKVStore
+
+    def reserve(self, n: int) -> None:
+        """Room for logical entries [0, n) in every row; grows by doubling (memory follows the longest sequence
+        seen, not max_seq_len)."""
+        if n > self.k.shape[3]:
+            self.shape[3] = min(self.length, max(n, 2 * self.k.shape[3], 64))
+            k, v = self.k, self.v
+            self.k, self.v = (torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            self.k[:, :, :, :k.shape[3]] = k
+            self.v[:, :, :, :v.shape[3]] = v
+
+    def write(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, KV, D] at (row, logical index) pairs rows[N], idx[N]."""
+        self.k[layer, rows, :, idx] = k.to(self.k.dtype)
+        self.v[layer, rows, :, idx] = v.to(self.v.dtype)
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.k[:, rows, :, dst] = self.k[:, rows, :, src].clone()
+        self.v[:, rows, :, dst] = self.v[:, rows, :, src].clone()
+
+    def read(self, layer: int, rows: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [0, n) of each row -> k, v [B, KV, n, D] (a view for one row)."""
+        if len(rows) == 1:
+            return self.k[layer, rows[0]:rows[0] + 1, :, :n], self.v[layer, rows[0]:rows[0] + 1, :, :n]
+        r = torch.tensor(rows, device=self.k.device)
+        return self.k[layer, :, :, :n].index_select(0, r), self.v[layer, :, :, :n].index_select(0, r)
+
+
+class PagedKV:
+    """Pages of one KVStore handed out to sequences. Page 0 is the null page (padding writes).
+
+    `kern`: the Triton kernels module when they run for this store (resolved once), else None. `dense`: a
+    DenseKV the PyTorch path attends over (None: the reference `paged_attention` over `store.read`)."""
+
+    def __init__(self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None):
+        self.store, self.ps = store, store.page_size
+        self.free = list(range(store.num_pages - 1, 0, -1))  # pop() hands out low page ids first
+        self.tables: dict[str, list[int]] = {}
+        self.kern = kernels_for(store, torch.device(device))
+        self.dense = dense if self.kern is None else None
+        self.rows: dict[str, int] = {}  # dense row per sequence
+
+    @property
+    def capacity(self) -> int:
+        return self.store.num_pages - 1
+
+    def ensure(self, rid: str, n_tokens: int) -> None:
+        table = self.tables.setdefault(rid, [])
+        need = -(-n_tokens // self.ps)
+        if need - len(table) > len(self.free):
+            raise RuntimeError(f"KV cache out of pages ({len(self.free)} free, {need - len(table)} needed)")
+        while len(table) < need:
+            table.append(self.free.pop())
+        if self.dense is not None:
+            if rid not in self.rows:
+                self.rows[rid] = self.dense.free.pop()
+            self.dense.reserve(n_tokens)
+
+    def truncate(self, rid: str, n_tokens: int) -> None:
+        table = self.tables.get(rid, [])
+        keep = -(-n_tokens // self.ps)
+        self.free.extend(reversed(table[keep:]))
+        del table[keep:]
+
+    def release(self, rid: str) -> None:
+        self.truncate(rid, 0)
+        self.tables.pop(rid, None)
+        row = self.rows.pop(rid, None)
+        if row is not None:
+            self.dense.free.append(row)
+
+    def slot(self, rid: str, i: int) -> int:
+        return self.tables[rid][i // self.ps] * self.ps + i % self.ps
+
+    def block_tables(self, rids: list[str], device) -> torch.Tensor:
+        width = max(1, max(len(self.tables[r]) for r in rids))
+        return torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in rids],
+                            dtype=torch.int32, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
+        view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N])."""
+        if self.dense is None:
+            write_kv(self.store, layer, slots, k, v, self.kern)
+        elif self.dense.plain:
+            self.store.write(layer, slots, k, v)
+            self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
+        else:  # the store decodes what it just wrote (what a read of those slots would return)
+            self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, dense_at: Optional[tuple] = None) -> None:
+        """Copy stored entries src -> dst (flat slots) in every layer; dense_at = (rows, src index, dst index)."""
+        move_kv(self.store, src, dst, self.kern)
+        if self.dense is not None:
+            self.dense.move(*dense_at)
+
+
+@dataclass
+class AttnBatch:
+    """What one forward's attention needs, shared by all layers (TensorRT-LLM's attention inputs, roughly).
+
+    For sequence b, the keys are its logical cache entries [0, context_lens[b] + tree_lens[b]): the
+    committed context (visible to every query) followed by a tree region of tree_lens[b] entries,
+    which includes this forward's new tokens (already written). Query i sees tree entry j iff bit j of
+    tree_mask[b, i] is set; tree_mask None means causal with the new tokens being the whole tree region.
+    Rows i >= q_lens[b] are padding.
+    """
+    block_tables: torch.Tensor  # [B, P] int32 page ids
+    context_lens: torch.Tensor  # [B] int64
+    tree_lens: torch.Tensor  # [B] int64
+    q_lens: torch.Tensor  # [B] int64
+    tree_mask: Optional[torch.Tensor]  # [B, T, W] int32 packed, or None
+    page_size: int
+    _plan: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def plan(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [B, N] int64, visible [B, T, N] bool), computed once per forward (few ops: tiny models are
+        overhead-bound)."""
+        if self._plan is None:
+            B, ps = self.context_lens.shape[0], self.page_size
+            N = int((self.context_lens + self.tree_lens).max())
+            n = torch.arange(N, device=self.context_lens.device)
+            slots = self.block_tables.gather(1, (n // ps).expand(B, N)).long() * ps + n % ps
+            self._plan = (slots, self.visible(T, N))
+        return self._plan
+
+    def visible(self, T: int, N: int) -> torch.Tensor:
+        """[B, T, N] bool: query i of sequence b sees logical entry n."""
+        B = self.context_lens.shape[0]
+        n = torch.arange(N, device=self.context_lens.device)
+        j = n - self.context_lens[:, None]  # [B, N] index into the tree region (< 0: context)
+        if self.tree_mask is None:  # causal: the tree region is the new tokens themselves
+            visible = j[:, None, :] <= torch.arange(T, device=n.device)[:, None]
+        else:
+            bits = unpack_tree_mask(self.tree_mask, self.tree_mask.shape[-1] * 32)  # [B, T, 32W]
+            tree = bits.gather(2, j.clamp(0, bits.shape[-1] - 1)[:, None, :].expand(B, T, N))
+            visible = (j < 0)[:, None, :] | (tree & (j < self.tree_lens[:, None])[:, None, :])
+        # Key 0 (context, or the tree's root when there is no context) is visible to every real query;
+        # making it visible to padding rows too keeps their softmax non-empty (no NaN).
+        visible[:, :, 0] = True
+        return visible
+
+
+_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def kernels_for(store: KVStore, device: torch.device):
+    """The Triton kernels module when they should run, else None (the PyTorch reference runs).
+
+    BPCOMPILE_KERNELS=auto (default): kernels on CUDA for quantized caches; =triton: always (on CPU through
+    Triton's interpreter, which is how tests check this path without a GPU); =torch: never.
+    """
+    mode = os.environ.get("BPCOMPILE_KERNELS", "auto")
+    if mode == "torch":
+        return None
+    from bpcompile.runtime.kvcache import QuantKVStore
+
+    if isinstance(store, QuantKVStore) and (mode == "triton" or device.type == "cuda"):
+        from bpcompile.kernels import paged as kernels
+        if _kernels_take(store.head_size, store.G):
+            return kernels
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_take(head_size: int, group_size: int) -> bool:
+    """Whether the kernels handle this cache shape; warns once per shape when they don't (the PyTorch path runs)."""
+    from bpcompile.kernels.paged import check_shape
+
+    why = check_shape(head_size, group_size)
+    if why is not None:
+        print(f"bpcompile: warning: Triton kernels cannot take this KV cache ({why}); using the PyTorch path",
+              file=sys.stderr)
+    return why is None
+
+
+def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern=False) -> None:
+    """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel (kern: the
+    kernels module or None as resolved by kernels_for; False: resolve here)."""
+    kern = kernels_for(store, k.device) if kern is False else kern
+    (kern.quantize_append if kern else type(store).write)(store, layer, slots, k, v)
+
+
+def move_kv(store: KVStore, src: torch.Tensor, dst: torch.Tensor, kern=False) -> None:
+    """Copy accepted tree entries' stored bytes src -> dst in every layer, on the device."""
+    kern = kernels_for(store, src.device) if kern is False else kern
+    (kern.move_slots if kern else type(store).move)(store, src, dst)
+
+
+def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatch, kern=False) -> torch.Tensor:
+    """q [B, T, H, D] (RoPE applied) over each sequence's paged K/V -> [B, T, H, D].
+
+    The reference implementation: gather the visible pages (dequantized by the store) and run SDPA with
+    a boolean mask built from context lengths and the packed tree mask. On CUDA with a quantized cache the
+    Triton kernel (bpcompile/kernels/paged.py) runs instead, reading the packed pages directly.
+    """
+    B, T, H, D = q.shape
+    kern = kernels_for(store, q.device) if kern is False else kern  # False: resolve here
+    if kern is not None:
+        return kern.paged_attention(q, store, layer, batch.block_tables, batch.context_lens, batch.tree_mask,
+                                    batch.tree_lens, D ** -0.5, q_lens=batch.q_lens)
+    slots, visible = batch.plan(T)
+    N = slots.shape[1]
+    k, v = store.read(layer, slots.reshape(-1))
+    kv = k.shape[1]
+    k = k.to(q.dtype).view(B, N, kv, D).transpose(1, 2)
+    v = v.to(q.dtype).view(B, N, kv, D).transpose(1, 2)
+    if H != kv and not _HAS_GQA:
+        k, v = k.repeat_interleave(H // kv, 1), v.repeat_interleave(H // kv, 1)
+    extra = {"enable_gqa": True} if H != kv and _HAS_GQA else {}
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], **extra)
+    return out.transpose(1, 2)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [B, T, H, D] over k, v [B, KV, N, D] (GQA: query head h reads KV head h // (H/KV)) -> [B, T, H, D].
+
+    hidden: [B, 1, T * H/KV, N] bool, True where a query must not see a key (rows t * H/KV + r), or None when
+    every query sees every key. Plain matmul-softmax: at decode lengths (a few query rows, N in the hundreds)
+    SDPA's setup costs more than the arithmetic."""
+    B, T, H, D = q.shape
+    KV = k.shape[1]
+    rep = H // KV
+    qh = (q * D ** -0.5).view(B, T, KV, rep, D).transpose(1, 2).reshape(B, KV, T * rep, D)
+    s = qh @ k.transpose(-1, -2)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return (p @ v).view(B, KV, T, rep, D).transpose(1, 2).reshape(B, T, H, D)

@@ -1,0 +1,76 @@
+"""A request as the runtime sees it: its sampling parameters, its state while it runs, what a step returns for
+it, and the stop conditions applied to newly committed tokens (output processing)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from bpcompile.runtime.speculative import Sampling
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    end_id: Optional[int] = None  # not included in the output
+    stop_words: list[list[int]] = field(default_factory=list)  # token sequences; included in the output
+
+
+@dataclass
+class RequestStats:
+    tokens: int = 0  # tokens returned
+    verifier_steps: int = 0  # verifier forwards after the prefill
+    tau: float = 0.0  # tokens committed per verifier step (accepted drafts + the verifier's own token)
+    accepted_per_depth: list[int] = field(default_factory=list)  # [d-1]: steps whose accepted path reached depth d
+    proposed_per_depth: list[int] = field(default_factory=list)  # [d-1]: steps whose tree reached depth d
+    draft_s: float = 0.0  # wall time of the batched steps this request took part in, by phase
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    committed: int = 0  # tokens committed by verifier steps (tau's numerator; may exceed `tokens` at a stop)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: Optional[str]  # "length" | "stop" | "cancelled"
+    stats: RequestStats
+
+
+@dataclass
+class Request:
+    """A request's state: committed tokens in both caches (v_len: verifier, d_len: draft), pages reserved."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sampling: Sampling
+    tokens: list[int] = field(default_factory=list)  # committed: prompt + generated (incl. past a stop)
+    out: list[int] = field(default_factory=list)  # returned to the caller
+    v_len: int = 0
+    d_len: int = 0
+    pages: int = 0  # worst-case pages reserved per cache
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+def apply_stops(r: Request, toks: list[int]) -> StepOutput:
+    """Append newly committed tokens to r.out up to end_id (excluded), a stop word (included) or max_tokens."""
+    p, new, reason = r.params, [], None
+    for t in toks:
+        if p.end_id is not None and t == p.end_id:
+            reason = "stop"
+            break
+        r.out.append(t)
+        new.append(t)
+        if any(sw and r.out[-len(sw):] == list(sw) for sw in p.stop_words):
+            reason = "stop"
+            break
+        if len(r.out) >= p.max_tokens:
+            reason = "length"
+            break
+    r.stats.tokens = len(r.out)
+    return StepOutput(r.id, new, reason is not None, reason, r.stats)

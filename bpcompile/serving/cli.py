@@ -1,0 +1,134 @@
+"""Click commands for the serving side: `bpcompile emit`, `bpcompile serve`, `bpcompile bench --url`.
+(`bpcompile generate --url` lives with `generate` in bpcompile/commands.py and calls client.generate_remote_cli.)
+Thin: each parses options and calls one library function."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from bpcompile.core.errors import UserError
+
+
+def _policy(text: str):
+    """latest | all | latest:N | specific:1,2"""
+    kind, _, arg = text.partition(":")
+    try:
+        if kind in ("latest", "all") and not arg:
+            return kind
+        if kind == "latest":
+            return {"latest": int(arg)}
+        if kind == "specific":
+            return {"specific": [int(v) for v in arg.split(",")]}
+    except ValueError:
+        pass
+    raise UserError(f"--policy {text!r}: expected latest, all, latest:N or specific:1,2")
+
+
+def _version_of(engine_dir: Path) -> int:
+    try:
+        v = json.loads((engine_dir / "manifest.json").read_text()).get("version")
+    except (OSError, ValueError):
+        v = None
+    v = v or (int(engine_dir.name) if engine_dir.name.isdigit() else None)
+    if not v:
+        raise UserError(f"{engine_dir}: cannot tell its version (no manifest.json version, not a numbered directory)")
+    return int(v)
+
+
+@click.command()
+@click.argument("engines", nargs=-1)
+@click.option("--repo", default="triton_repo", show_default=True, type=click.Path(path_type=Path),
+              help="Model repository to write.")
+@click.option("--add", is_flag=True, help="Add the ENGINES' versions to an existing repository (nothing served changes).")
+@click.option("--policy", default=None, help="Version policy: latest | all | latest:N | specific:1,2 (default: the "
+              "recipe's). With no ENGINES, rewrite the policy of an existing repository (rollback), then reload.")
+@click.option("--target", type=click.Choice(["native", "tensorrt-llm"]), default=None, help="Default: the recipe's.")
+@click.option("--max-batch-size", type=click.IntRange(1), default=None, help="Default: the recipe's limits.")
+@click.option("--no-speculation", is_flag=True, help="Serve verifier-only decoding (benchmark baseline).")
+@click.option("--device", default="cpu", show_default=True, help="Device of the generator's runtime (cpu, cuda).")
+@click.option("--link", is_flag=True, help="Symlink engine versions instead of copying them.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing repository.")
+@click.option("--json", "as_json", is_flag=True)
+def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, device, link, overwrite, as_json):
+    """Write a Triton model repository serving ENGINES (version directories, or NAME/N of ./engines)."""
+    from bpcompile.core.store import engine_version_dir
+    from bpcompile.serving.emit import add_version, emit_repository, set_version_policy
+
+    pol = _policy(policy) if policy else None
+    if not engines:
+        if pol is None:
+            raise UserError("give ENGINES to emit, or --policy to change the served versions of --repo")
+        out = set_version_policy(repo, pol)
+    else:
+        dirs = [engine_version_dir(e) for e in engines]
+        pairs = [(_version_of(d), d) for d in dirs]
+        if add:
+            out = {"added": [add_version(repo, v, d, link=link) for v, d in pairs]}
+        else:
+            out = emit_repository(pairs, repo, target=target, version_policy=pol, max_batch_size=max_batch_size,
+                                  device=device, tree={"kind": "none"} if no_speculation else None, link=link,
+                                  overwrite=overwrite)
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    else:
+        click.echo(f"{repo}: " + json.dumps(out, default=str), err=True)
+
+
+@click.command()
+@click.argument("repo", default="triton_repo", type=click.Path(path_type=Path))
+@click.option("--http-port", default=8000, show_default=True, type=int)
+@click.option("--grpc-port", default=8001, show_default=True, type=int)
+@click.option("--metrics-port", default=8002, show_default=True, type=int)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--model-control", type=click.Choice(["none", "explicit", "poll"]), default="none", show_default=True,
+              help="none: serve what REPO holds at start. explicit: the repository API loads and unloads models "
+              "(new versions without a restart), for requests with the repository token only. poll: reload when "
+              "REPO changes (whoever can write REPO runs code in the server).")
+@click.option("--repository-token", envvar="BPCOMPILE_REPOSITORY_TOKEN", show_envvar=True, default=None,
+              help="Token the repository API asks for with --model-control explicit/poll (default: a random one, "
+              "printed). Prefer the environment variable: a command line is visible to other local users.")
+@click.option("--drain-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds for running streams to finish before tritonserver is stopped.")
+def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout):
+    """Serve REPO with tritonserver until SIGINT / SIGTERM.
+
+    Exit code 0 after a requested, clean stop; 1 when tritonserver died or did not stop cleanly."""
+    from bpcompile.serving.serve import serve as _serve
+
+    code = _serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
+                  model_control=model_control, repository_token=repository_token, drain_timeout=drain_timeout,
+                  log=lambda s: click.echo(s, err=True))
+    sys.exit(code)
+
+
+@click.command()
+@click.option("--url", required=True, help="host:port of the server's gRPC (or, with --protocol http, HTTP) endpoint.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Text file, one prompt per line (default: a few built-in prompts).")
+@click.option("-n", "--requests", "n", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench(url, prompts_file, n, concurrency, max_tokens, protocol, as_json):
+    """Load a running server: TTFT, time per output token, latency percentiles, tokens/s, tokens per step."""
+    from bpcompile.serving.client import DEFAULT_PROMPTS, bench_remote
+
+    prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()] if prompts_file else DEFAULT_PROMPTS
+    r = bench_remote(url, prompts, n=n, concurrency=concurrency, max_tokens=max_tokens, protocol=protocol)
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
+    click.echo(f"{r['requests']} requests ({r['errors']} errors), concurrency {concurrency}, {max_tokens} max tokens")
+    click.echo(f"output tokens/s {r['output_tokens_per_s']:.1f}   tokens/verifier step "
+               f"{r['tokens_per_step'] or 0:.2f}   acceptance {r['acceptance_rate'] or 0:.2f}")
+    for k in ("ttft_s", "tpot_s", "latency_s"):
+        s = r[k]
+        click.echo(f"{k[:-2]:8s} ms  p50 {ms(s['p50'])}  p90 {ms(s['p90'])}  p99 {ms(s['p99'])}")
+
+
+COMMANDS = [emit, serve, bench]

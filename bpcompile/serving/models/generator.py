@@ -1,0 +1,283 @@
+"""Triton Python-backend model `generator` (decoupled): the speculative decoding loop, draft and verifier in
+this one process, over bpcompile's native runtime.
+
+Copied by bpcompile.serving.emit into generator/<version>/model.py; the engine version it serves is
+generator/<version>/engine/ (a copy of engines/<name>/<version>/).
+
+In-flight batching: `execute` only validates a request and submits it to the runtime's in-flight loop
+(bpcompile/runtime/inflight.py: one thread owns the runtime, requests join the running batch at the next
+step); this model is the adapter that answers through each request's response sender.
+
+Two interfaces, told apart by their inputs:
+* token ids (input_ids, request_output_len, ...; tensorrtllm_backend's names): the ensemble's step. Each
+  streamed response carries the response's tokens with a few tokens of left context (see
+  bpcompile/serving/protocol.py), so the stateless postprocessing model decodes it correctly on its own.
+* text (text_input, max_tokens, stream, ...: the ensemble's own inputs, and its outputs text_output,
+  output_ids, ...): the same request a client sends the ensemble, tokenized and detokenized here.
+
+Cancellation: before every step the loop polls each request's `response_sender.is_cancelled()` and cancels
+the ones set (the runtime frees their KV pages), so a cancelled or disconnected client stops costing work
+within one step. tritonserver 2.51 sets that flag only on the request the client sent: when the client of an
+ensemble cancels or disconnects, the ensemble cancels the steps it schedules after that (postprocessing of
+later responses) but never a step already running, and the generator's step runs for the whole stream (seen:
+the sender's and the request's is_cancelled() stay False and every send succeeds until max_tokens). So streaming clients that may go away
+should send their request to this model (the text interface: same inputs, same outputs) rather than to the
+ensemble; their cancellation and disconnects then reach this loop.
+
+Metrics (tritonserver's /metrics, labelled with version and instance): bpcompile_generator_steps_total,
+bpcompile_generator_requests (in the batch or queued for it), bpcompile_generator_cancelled_total,
+bpcompile_generator_kv_pages_used. Each cancellation is also logged with the generator step it was seen at.
+"""
+import json
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from bpcompile.runtime.inflight import InflightLoop, LoopRequest
+from bpcompile.serving.drain import ModelDrain
+from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, check_sampling, context_window,
+                                       delta_text, scalar, unpack_words)
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class _Job(LoopRequest):
+    stream: bool = False
+    text: bool = False   # the text interface: answer with text_output, output_ids, ...
+    sender: object = None
+    sent: int = 0        # tokens of `out` already sent
+    index: int = 0       # RESPONSE_INDEX of the next response
+
+
+class _TritonLoop(InflightLoop):
+    """The runtime's in-flight loop, answering through each request's Triton response sender."""
+
+    def __init__(self, model: "TritonPythonModel"):
+        super().__init__(model.gen)
+        self.model, self.counted = model, 0
+
+    def is_cancelled(self, job: _Job) -> bool:
+        return job.sender.is_cancelled()
+
+    def on_turn(self) -> None:
+        m = self.model.metrics
+        m.add("steps", self.steps - self.counted)
+        self.counted = self.steps
+        m.set("requests", len(self.running))
+        m.set("kv_pages", self.gen.vkv.capacity - len(self.gen.vkv.free))
+
+    def on_output(self, job: _Job, o) -> None:
+        if job.stream and (len(job.out) > job.sent or o.finished):
+            self.model._send(job, job.sent, o)
+        elif o.finished:
+            self.model._send(job, 0, o)
+
+    def on_rejected(self, job: _Job, error: Exception) -> None:  # the runtime's own checks
+        job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            f"request rejected: {error}", pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+
+    def on_cancelled(self, job: _Job) -> None:
+        self.model.metrics.add("cancelled")
+        self.model.logger.log_info(f"generator: cancelled request {job.rid} after {len(job.out)} tokens "
+                                   f"({job.steps} steps; generator step {self.steps})")
+        self.model._close(job, pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
+
+    def on_step_error(self, trace: str) -> None:
+        self.model.logger.log_error(f"generator step failed: {trace}")
+
+    def on_failed(self, job: _Job) -> None:
+        job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            "generation failed (an internal error; the server log has the details)",
+            pb_utils.TritonError.INTERNAL)), flags=FINAL)
+
+
+class _Metrics:
+    """This instance's counters and gauges on tritonserver's metrics endpoint; no-ops where metrics are off."""
+
+    SPEC = {"steps": ("bpcompile_generator_steps_total", "generation steps run (one batched draft+verify each)"),
+            "cancelled": ("bpcompile_generator_cancelled_total", "requests cancelled by their client"),
+            "requests": ("bpcompile_generator_requests", "requests in the generator's batch or queued for it"),
+            "kv_pages": ("bpcompile_generator_kv_pages_used", "verifier KV cache pages held by requests")}
+
+    def __init__(self, labels: dict):
+        self.families, self.metrics, self.last = [], {}, {}
+        try:
+            for key, (name, help_) in self.SPEC.items():
+                kind = pb_utils.MetricFamily.COUNTER if name.endswith("_total") else pb_utils.MetricFamily.GAUGE
+                fam = pb_utils.MetricFamily(name=name, description=help_, kind=kind)
+                self.families.append(fam)
+                self.metrics[key] = fam.Metric(labels=labels)
+        except Exception as e:  # tritonserver started with --allow-metrics=false
+            pb_utils.Logger.log_warn(f"generator: no metrics ({e})")
+            self.metrics = {}
+
+    def add(self, key: str, n: int = 1) -> None:
+        if n and key in self.metrics:
+            self.metrics[key].increment(n)
+
+    def set(self, key: str, value: int) -> None:
+        if key in self.metrics and self.last.get(key) != value:  # each update is a message to tritonserver
+            self.metrics[key].set(value)
+            self.last[key] = value
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from bpcompile.runtime.generator import Generator, TreeSpec  # the runtime is only needed by this model
+
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("generator must be decoupled (model_transaction_policy)")
+        params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
+        engine_dir = Path(args["model_repository"]) / args["model_version"] / "engine"
+        self.engine_version = int(args["model_version"])
+        tree = json.loads(params["tree"]) if params.get("tree") else None
+        self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None,
+                                         device=params.get("device", "cpu"))
+        self.max_seq_len, self.max_input_len = self.gen.max_seq_len, self.gen.max_input_len
+        self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
+        self.logger = pb_utils.Logger
+        self.metrics = _Metrics({"version": str(self.engine_version),
+                                 "instance": args.get("model_instance_name", "")})
+        import torch
+
+        self.logger.log_info(f"generator: engine version {self.engine_version} from {engine_dir}, tree "
+                             f"{self.gen.tree.kind}, device {params.get('device', 'cpu')}, torch threads "
+                             f"{torch.get_num_threads()}, max_seq_len {self.max_seq_len}")
+        self.loop = _TritonLoop(self).start()
+        # `bpcompile serve` drains before stopping tritonserver: new requests refused, running ones finish
+        self.drain = ModelDrain(self.loop.thread, self.loop.stop)
+
+    # --- request intake (Triton's thread) ---------------------------------------------------------------
+
+    def _parse(self, request):
+        from bpcompile.runtime.generator import SamplingParams
+
+        def get(name):
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        ids = get("input_ids")
+        text = ids is None
+        if text:  # the ensemble's interface (module doc); sizes are checked before tokenizing
+            prompt = self.text.prompt(get("text_input"))
+            max_tokens = scalar(get, "max_tokens", DEFAULT_MAX_TOKENS, int)
+            stop = self.text.words(get("stop_words"), "stop_words")
+            bad = self.text.words(get("bad_words"), "bad_words")
+            top_k, top_p = scalar(get, "top_k", 0, int), scalar(get, "top_p", 1.0, float)
+            stream = scalar(get, "stream", False, bool)
+            default_end = self.text.eos
+        else:
+            if ids.size > self.max_input_len:
+                raise BadRequest(f"the prompt has {ids.size} tokens; this engine takes at most "
+                                 f"{self.max_input_len} (limits.max_input_len)")
+            prompt = [int(i) for i in ids.reshape(-1)]
+            max_tokens = scalar(get, "request_output_len", DEFAULT_MAX_TOKENS, int)
+            stop, bad = self._word_list(get, "stop_words_list"), self._word_list(get, "bad_words_list")
+            top_k, top_p = scalar(get, "runtime_top_k", 0, int), scalar(get, "runtime_top_p", 1.0, float)
+            stream = scalar(get, "streaming", False, bool)
+            default_end = None
+        if not prompt:
+            raise BadRequest("the prompt has no tokens")
+        if len(prompt) > self.max_input_len:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens; this engine takes at most "
+                             f"{self.max_input_len} (limits.max_input_len)")
+        room = self.max_seq_len - len(prompt)
+        if max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be > 0 (got {max_tokens})")
+        if max_tokens > room:
+            raise BadRequest(f"max_tokens {max_tokens} is above this engine's limit: prompt ({len(prompt)} tokens)"
+                             f" + max_tokens must be <= max_seq_len {self.max_seq_len}, so at most {room}")
+        if bad:
+            raise BadRequest("bad_words is not supported by the native runtime (send it empty)")
+        temperature = scalar(get, "temperature", 0.0, float)
+        check_sampling(temperature, top_k, top_p)
+        seed = scalar(get, "seed", None, int)
+        end_id = scalar(get, "end_id", default_end, int)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
+                                stop_words=stop)
+        return _Job(prompt, params, stream=stream, text=text)
+
+    @staticmethod
+    def _word_list(get, name):
+        a = get(name)
+        try:
+            return [] if a is None else unpack_words(a)
+        except ValueError:
+            raise BadRequest(f"{name} must be a [2, N] word list (token ids, then end offsets)") from None
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = self._parse(request)
+            except BadRequest as e:
+                sender.send(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+                continue
+            except Exception:  # details (paths, code) go to the server log, not to the client
+                self.logger.log_error(f"generator: could not read a request: {traceback.format_exc()}")
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "the generator could not read the request (an internal error; the server log has the "
+                    "details)", pb_utils.TritonError.INTERNAL)), flags=FINAL)
+                continue
+            job.sender = sender
+            if not self.drain.submit(self.loop.submit, job):
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)), flags=FINAL)
+        return None  # decoupled: responses go through the senders, from the loop thread
+
+    def _send(self, job, start, o):
+        ctx, read = context_window(job.out, start, len(job.out))
+        s = o.stats
+        accepted = int(sum(getattr(s, "accepted_per_depth", None) or []))
+        drafted = int(sum(getattr(s, "proposed_per_depth", None) or []))
+        steps = int(getattr(s, "verifier_steps", 0) or 0)
+        tau = float(getattr(s, "tau", 0.0) or (len(job.out) / steps if steps else 0.0))
+
+        def t(name, value, dtype):
+            return pb_utils.Tensor(name, np.array([value], dtype=dtype))
+
+        reason = (o.finish_reason or "") if o.finished else ""
+        if job.text:  # what postprocessing makes of the token response below, with the ensemble's names
+            piece = delta_text(self.text.decode, ctx, read, o.finished)
+            outs = [t("text_output", [piece.encode("utf-8")], np.object_), t("output_ids", ctx[read:], np.int32),
+                    t("response_index", [job.index], np.int32), t("finish_reason", [reason], np.object_)]
+        else:
+            outs = [t("CONTEXT_IDS", ctx, np.int32), t("READ_OFFSET", [read], np.int32),
+                    t("IS_FINAL", [o.finished], np.bool_), t("RESPONSE_INDEX", [job.index], np.int32),
+                    t("FINISH_REASON", [reason], np.object_)]
+        resp = pb_utils.InferenceResponse(output_tensors=outs + [
+            t("acceptance_rate", [accepted / drafted if drafted else 0.0], np.float32),
+            t("total_accepted_draft_tokens", [accepted], np.int32),
+            t("total_draft_tokens", [drafted], np.int32),
+            t("tokens_per_step", [tau], np.float32),
+            t("verifier_steps", [steps], np.int32),
+            t("engine_version", [self.engine_version], np.int32),
+        ])
+        job.index += 1
+        job.sent = len(job.out)
+        job.sender.send(resp, flags=FINAL if o.finished else 0)
+
+    def _close(self, job, error):
+        # The request is complete only once its final flag is sent: without it, a cancelled request keeps the
+        # model version alive (seen: tritonserver 2.51 then cannot unload it and exits 1 on SIGTERM).
+        try:
+            job.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        except Exception:
+            try:
+                job.sender.send(flags=FINAL)
+            except Exception as e:
+                self.logger.log_warn(f"generator: could not close request {job.rid}: {e}")
+
+    def finalize(self):
+        # Unloading (a new version loaded, or an explicit unload): requests already running finish first.
+        self.drain.close()
+        self.loop.stop()
+        self.loop.thread.join(timeout=300)
+

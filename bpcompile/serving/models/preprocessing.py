@@ -1,0 +1,64 @@
+"""Triton Python-backend model `preprocessing`: text -> token ids, request checks.
+
+Copied by bpcompile.serving.emit into preprocessing/<version>/model.py, next to that version's tokenizer/.
+Tensor names follow tensorrtllm_backend's preprocessing (QUERY, REQUEST_OUTPUT_LEN, ... -> INPUT_ID, ...).
+Each request is answered on its own: a malformed one gets an error response, the others are unaffected.
+Oversized text is refused before it is tokenized (protocol.TextInterface).
+"""
+import traceback
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from bpcompile.core.engine import EngineConfig
+from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, pack_words,
+                                       scalar)
+
+
+def _optional(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        version = Path(args["model_repository"]) / args["model_version"]
+        # The engine version this one serves is the repository's generator/<version>/engine/ (emit.py's
+        # layout); its limits say how long a prompt can be.
+        engine = Path(args["model_repository"]).parent / "generator" / args["model_version"] / "engine"
+        self.text = TextInterface(version / "tokenizer", EngineConfig.load(engine).limits.max_input_len)
+
+    def _one(self, request):
+        get = lambda name: _optional(request, name)  # noqa: E731
+        ids = self.text.prompt(get("QUERY"))
+        max_tokens = scalar(get, "REQUEST_OUTPUT_LEN", DEFAULT_MAX_TOKENS, int)
+        if max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be > 0 (got {max_tokens})")
+        stop = pack_words(self.text.words(get("STOP_WORDS_DICT"), "stop_words"))
+        bad = pack_words(self.text.words(get("BAD_WORDS_DICT"), "bad_words"))
+        eos = self.text.eos if self.text.eos is not None else -1
+        end_id = scalar(get, "END_ID", eos, int)
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(ids)]], dtype=np.int32)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", np.array([[max_tokens]], dtype=np.int32)),
+            pb_utils.Tensor("STOP_WORDS_IDS", stop[None]),
+            pb_utils.Tensor("BAD_WORDS_IDS", bad[None]),
+            pb_utils.Tensor("OUT_END_ID", np.array([[end_id]], dtype=np.int32)),
+        ])
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            try:
+                out.append(self._one(r))
+            except BadRequest as e:
+                out.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            except Exception:  # details (paths, code) go to the server log, not to the client
+                pb_utils.Logger.log_error(f"preprocessing failed: {traceback.format_exc()}")
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "preprocessing failed (an internal error; the server log has the details)",
+                    pb_utils.TritonError.INTERNAL)))
+        return out
