@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors run interpreted
 
 import pytest  # noqa: E402
+from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bpcompile.kernels import paged as K  # noqa: E402
@@ -331,6 +332,30 @@ def test_compile_engine_kernels_skips_unsupported_shape(tmp_path):
     res = aot.compile_engine_kernels(_stage(tmp_path, head_size=16), _recipe(), tmp_path / "kernels")
     assert res["status"] == "skipped" and "head_size 16" in res["detail"]
     assert json.loads((tmp_path / "kernels" / "kernels.json").read_text())["status"] == "skipped"
+
+
+def test_trt_plugin_source_compiles_strictly(tmp_path):
+    """Where TENSORRT_ROOT points at TensorRT's headers, the plugin source compiles with -Wall -Wextra -Werror
+    against them and an engine's generated kernel headers (TensorRT's and CUDA's headers are system headers,
+    as the CMake project includes them). The same check the CMake build makes, without TensorRT's libraries."""
+    import os
+    import shutil
+    import subprocess
+
+    root = os.environ.get("TENSORRT_ROOT")
+    if not root or not (Path(root) / "include" / "NvInfer.h").is_file():
+        pytest.skip("TENSORRT_ROOT does not point at TensorRT headers (include/NvInfer.h)")
+    cuda = aot.find_cuda_include()
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cuda is None or cxx is None:
+        pytest.skip("no CUDA headers or no C++ compiler here")
+    kdir = tmp_path / "kernels"
+    res = aot.compile_engine_kernels(_stage(tmp_path), _recipe(), kdir)
+    assert res["status"] == "compiled"
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-isystem", str(Path(root) / "include"),
+           "-isystem", str(cuda), f"-I{kdir}", str(plugin.PLUGIN_SRC / "src" / "bpcompile_plugins.cpp")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
 
 
 def test_trt_plugin_is_not_pretended(tmp_path, monkeypatch):

@@ -418,23 +418,17 @@ def hf_weight_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{l}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (nq, h)
-        out[p + "self_attn.k_proj.weight"] = (nkv, h)
-        out[p + "self_attn.v_proj.weight"] = (nkv, h)
-        out[p + "self_attn.o_proj.weight"] = (h, nq)
-        if spec["qkv_bias"]:
-            out[p + "self_attn.q_proj.bias"] = (nq,)
-            out[p + "self_attn.k_proj.bias"] = (nkv,)
-            out[p + "self_attn.v_proj.bias"] = (nkv,)
-        if spec["o_bias"]:
-            out[p + "self_attn.o_proj.bias"] = (h,)
-        out[p + "mlp.gate_proj.weight"] = (i, h)
-        out[p + "mlp.up_proj.weight"] = (i, h)
-        out[p + "mlp.down_proj.weight"] = (h, i)
-        if spec["mlp_bias"]:
-            out[p + "mlp.gate_proj.bias"] = (i,)
-            out[p + "mlp.up_proj.bias"] = (i,)
-            out[p + "mlp.down_proj.bias"] = (h,)
+        # (module, [out, in], has a bias): each linear's weight, and its bias where the config says so
+        for mod, shape, bias in (("self_attn.q_proj", (nq, h), spec["qkv_bias"]),
+                                 ("self_attn.k_proj", (nkv, h), spec["qkv_bias"]),
+                                 ("self_attn.v_proj", (nkv, h), spec["qkv_bias"]),
+                                 ("self_attn.o_proj", (h, nq), spec["o_bias"]),
+                                 ("mlp.gate_proj", (i, h), spec["mlp_bias"]),
+                                 ("mlp.up_proj", (i, h), spec["mlp_bias"]),
+                                 ("mlp.down_proj", (h, i), spec["mlp_bias"])):
+            out[p + mod + ".weight"] = shape
+            if bias:
+                out[p + mod + ".bias"] = shape[:1]
     return out
 
 

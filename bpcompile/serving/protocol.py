@@ -21,6 +21,8 @@ and visible to clients through RESPONSE_INDEX.
 """
 from __future__ import annotations
 
+import traceback
+
 import json
 import math
 from pathlib import Path
@@ -198,3 +200,20 @@ def scalar(get: Callable[[str], Optional[np.ndarray]], name: str, default=None, 
         return kind(a[0]) if kind else a[0]
     except (TypeError, ValueError, OverflowError):
         raise BadRequest(f"{name} must be a number, got {a[0]!r}") from None
+
+
+def answer_each(pb_utils, requests, one, model: str) -> list:
+    """The responses of a non-decoupled Python-backend model, in request order: one(request), a BadRequest as
+    an INVALID_ARG error with its reason, anything else as an INTERNAL error whose details (paths, code) go to
+    the server log, not to the client. pb_utils: the backend's module (only importable inside tritonserver)."""
+    out = []
+    for r in requests:
+        try:
+            out.append(one(r))
+        except BadRequest as e:
+            out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+        except Exception:
+            pb_utils.Logger.log_error(f"{model} failed: {traceback.format_exc()}")
+            out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"{model} failed (an internal error; the server log has the details)", pb_utils.TritonError.INTERNAL)))
+    return out

@@ -9,14 +9,13 @@ tensorrt-llm target (parameter input_format = "trtllm"): decodes tensorrtllm's T
 the way tensorrtllm_backend's postprocessing does (exact for non-streamed requests; see docs/serving notes).
 """
 import json
-import traceback
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
-from bpcompile.serving.protocol import delta_text
+from bpcompile.serving.protocol import answer_each, delta_text
 
 PASS_THROUGH = ["RESPONSE_INDEX", "FINISH_REASON", "acceptance_rate", "total_accepted_draft_tokens",
                 "total_draft_tokens", "tokens_per_step", "verifier_steps", "engine_version"]
@@ -53,14 +52,6 @@ class TritonPythonModel:
             pb_utils.Tensor("OUTPUT_IDS", ids.astype(np.int32).reshape(1, -1))])
 
     def execute(self, requests):
-        one = self._trtllm if self.format == "trtllm" else self._native
-        out = []
-        for r in requests:  # one instance, in arrival order: see emit.py on response ordering
-            try:
-                out.append(one(r))
-            except Exception:  # details (paths, code) go to the server log, not to the client
-                pb_utils.Logger.log_error(f"postprocessing failed: {traceback.format_exc()}")
-                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    "postprocessing failed (an internal error; the server log has the details)",
-                    pb_utils.TritonError.INTERNAL)))
-        return out
+        # one instance, in arrival order: see emit.py on response ordering
+        return answer_each(pb_utils, requests, self._trtllm if self.format == "trtllm" else self._native,
+                           "postprocessing")

@@ -5,14 +5,13 @@ Tensor names follow tensorrtllm_backend's preprocessing (QUERY, REQUEST_OUTPUT_L
 Each request is answered on its own: a malformed one gets an error response, the others are unaffected.
 Oversized text is refused before it is tokenized (protocol.TextInterface).
 """
-import traceback
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from bpcompile.core.engine import EngineConfig
-from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, pack_words,
+from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, answer_each, pack_words,
                                        scalar)
 
 
@@ -49,16 +48,4 @@ class TritonPythonModel:
         ])
 
     def execute(self, requests):
-        out = []
-        for r in requests:
-            try:
-                out.append(self._one(r))
-            except BadRequest as e:
-                out.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-            except Exception:  # details (paths, code) go to the server log, not to the client
-                pb_utils.Logger.log_error(f"preprocessing failed: {traceback.format_exc()}")
-                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    "preprocessing failed (an internal error; the server log has the details)",
-                    pb_utils.TritonError.INTERNAL)))
-        return out
+        return answer_each(pb_utils, requests, self._one, "preprocessing")

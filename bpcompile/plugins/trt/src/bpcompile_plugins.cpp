@@ -152,7 +152,27 @@ public:
     IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
     PluginFieldCollection const* getFieldsToSerialize() noexcept override { return mF.collection(); }
 
+    // Every tensor is linear (row-major); which type each position takes is the plugin's typeOk.
+    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs,
+        int32_t) noexcept override
+    {
+        PluginTensorDesc const& d = io[pos].desc;
+        return d.format == TensorFormat::kLINEAR && typeOk(pos, d, nbInputs);
+    }
+    int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
+        int32_t, IExprBuilder& b) noexcept override
+    {
+        if (nbInputs != expectedInputs())
+            return -1;
+        outputShape(in, out[0], b);
+        return 0;
+    }
+
 protected:
+    virtual int32_t expectedInputs() const noexcept = 0;
+    virtual bool typeOk(int32_t pos, PluginTensorDesc const& d, int32_t nbInputs) const noexcept = 0;
+    virtual void outputShape(DimsExprs const* in, DimsExprs& out, IExprBuilder& b) const noexcept = 0;
+
     // inOut[pos] is one of the pool inputs starting at `first`: its fixed type, linear format.
     static bool poolOk(int32_t pos, int32_t first, PluginTensorDesc const& d)
     {
@@ -184,21 +204,14 @@ public:
         out[0] = DataType::kINT32;
         return 0;
     }
-    int32_t getOutputShapes(DimsExprs const*, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
-        int32_t, IExprBuilder& b) noexcept override
+    int32_t expectedInputs() const noexcept override { return kNB_INPUTS; }
+    void outputShape(DimsExprs const*, DimsExprs& out, IExprBuilder& b) const noexcept override
     {
-        if (nbInputs != kNB_INPUTS)
-            return -1;
-        out[0].nbDims = 1;
-        out[0].d[0] = b.constant(1);
-        return 0;
+        out.nbDims = 1;
+        out.d[0] = b.constant(1);
     }
-    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs,
-        int32_t) noexcept override
+    bool typeOk(int32_t pos, PluginTensorDesc const& d, int32_t nbInputs) const noexcept override
     {
-        PluginTensorDesc const& d = io[pos].desc;
-        if (d.format != TensorFormat::kLINEAR)
-            return false;
         if (pos < 2)
             return d.type == activationType();
         if (pos == 2)
@@ -255,20 +268,10 @@ public:
         out[0] = in[0];
         return 0;
     }
-    int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
-        int32_t, IExprBuilder&) noexcept override
+    int32_t expectedInputs() const noexcept override { return kNB_INPUTS; }
+    void outputShape(DimsExprs const* in, DimsExprs& out, IExprBuilder&) const noexcept override { out = in[0]; }
+    bool typeOk(int32_t pos, PluginTensorDesc const& d, int32_t nbInputs) const noexcept override
     {
-        if (nbInputs != kNB_INPUTS)
-            return -1;
-        out[0] = in[0];
-        return 0;
-    }
-    bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t nbInputs,
-        int32_t) noexcept override
-    {
-        PluginTensorDesc const& d = io[pos].desc;
-        if (d.format != TensorFormat::kLINEAR)
-            return false;
         if (pos == 0 || pos == nbInputs) // q and the output
             return d.type == activationType();
         if (pos < kFIRST_POOL)
