@@ -1,6 +1,7 @@
 """Shared fixtures: small random Hugging Face checkpoints saved the way real ones are (safetensors)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,46 @@ def trtllm_to_hf(trt: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Ten
         else:
             raise KeyError(f"no HF name for {name}")
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two contending ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_llama(cfg, seed: int, scale: float = 1.0):
+    """A Llama (bpcompile.runtime.model) with random weights under TensorRT-LLM names; `scale` sharpens the
+    output distribution."""
+    from bpcompile.runtime.model import Llama
+
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    h, d, inter = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
+    w = {"transformer.vocab_embedding.weight": r(cfg.vocab_size, h, std=1.0),
+         "transformer.ln_f.weight": 1 + r(h, std=0.1),
+         "lm_head.weight": r(cfg.vocab_size, h, std=scale * 3 / math.sqrt(h))}
+    for i in range(cfg.num_layers):
+        p = f"transformer.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + r(h, std=0.1)
+        w[p + "post_layernorm.weight"] = 1 + r(h, std=0.1)
+        w[p + "attention.qkv.weight"] = r((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, std=h ** -0.5)
+        w[p + "attention.dense.weight"] = r(h, cfg.num_heads * d, std=(cfg.num_heads * d) ** -0.5)
+        w[p + "mlp.fc.weight"] = r(inter, h, std=h ** -0.5)
+        w[p + "mlp.gate.weight"] = r(inter, h, std=h ** -0.5)
+        w[p + "mlp.proj.weight"] = r(h, inter, std=inter ** -0.5)
+    return Llama(cfg, w)
+
+
+def noisy_copy(model, noise: float, seed: int):
+    """A draft that mostly agrees with the verifier: its weights plus relative Gaussian noise."""
+    from bpcompile.runtime.model import Llama
+
+    g = torch.Generator().manual_seed(seed)
+    return Llama(model.cfg, {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in model.w.items()})

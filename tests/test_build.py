@@ -57,11 +57,35 @@ def test_build_publishes_then_is_idempotent(tmp_path, pair):
     assert out4.created and out4.version == 3 and out4.build_id != out["build_id"]
 
 
+def _fail_after(monkeypatch, stage: str) -> None:
+    """The build raises right after `stage` really ran: the stage's own code first, then an error."""
+    from bpcompile.build import convert, pipeline
+
+    if stage.startswith("convert"):
+        real, role = convert.convert_checkpoint, stage.split()[1]
+
+        def conv(src, out, **kw):
+            res = real(src, out, **kw)
+            if Path(out).name == role:
+                raise RuntimeError(f"injected failure after {stage}")
+            return res
+        monkeypatch.setattr(convert, "convert_checkpoint", conv)
+    else:
+        real_cal = pipeline._calibrate_stage
+
+        def cal(*args):
+            real_cal(*args)
+            raise RuntimeError(f"injected failure after {stage}")
+        monkeypatch.setattr(pipeline, "_calibrate_stage", cal)
+
+
 @pytest.mark.parametrize("stage", ["convert verifier", "convert draft", "calibrate"])
-def test_failed_build_publishes_nothing(tmp_path, pair, stage):
+def test_failed_build_publishes_nothing(tmp_path, pair, stage, monkeypatch):
     recipe = write_recipe(tmp_path / "r.yaml", *pair)
-    with pytest.raises(RuntimeError, match="injected"):
-        build(recipe, fail_after=stage)
+    with monkeypatch.context() as m:
+        _fail_after(m, stage)
+        with pytest.raises(RuntimeError, match="injected"):
+            build(recipe)
     assert versions(tmp_path) == []
     # and the next build still starts at version 1
     assert build(recipe).version == 1

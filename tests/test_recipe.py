@@ -1,7 +1,6 @@
 """Recipe validation: every bad input is exit 2 with a message naming file, line and key; nothing written."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from bpcompile.cli import main
-from bpcompile.core.errors import UserError
+
 from bpcompile.build.recipe import load_recipe, parse_recipe
 from pairs import make_pair, make_tokenizer, write_recipe
 

@@ -15,51 +15,13 @@ from bpcompile.commands import generate_text
 from bpcompile.runtime.generator import Generator, SamplingParams, StepOutput, TreeSpec
 from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, paged_attention
 from bpcompile.kernels.tree_mask import pack_rows
-from conftest import write_engine_config  # noqa: E402
+from conftest import noisy_copy, one_thread, random_llama, write_engine_config  # noqa: E402,F401  (one_thread: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two contending ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def random_llama(cfg: ModelConfig, seed: int, scale: float = 1.0) -> Llama:
-    """Random weights under TensorRT-LLM names; `scale` sharpens the output distribution."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, std):
-        return torch.randn(*shape, generator=g) * std
-
-    h, d, inter = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
-    w = {"transformer.vocab_embedding.weight": r(cfg.vocab_size, h, std=1.0),
-         "transformer.ln_f.weight": 1 + r(h, std=0.1),
-         "lm_head.weight": r(cfg.vocab_size, h, std=scale * 3 / math.sqrt(h))}
-    for i in range(cfg.num_layers):
-        p = f"transformer.layers.{i}."
-        w[p + "input_layernorm.weight"] = 1 + r(h, std=0.1)
-        w[p + "post_layernorm.weight"] = 1 + r(h, std=0.1)
-        w[p + "attention.qkv.weight"] = r((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, std=h ** -0.5)
-        w[p + "attention.dense.weight"] = r(h, cfg.num_heads * d, std=(cfg.num_heads * d) ** -0.5)
-        w[p + "mlp.fc.weight"] = r(inter, h, std=h ** -0.5)
-        w[p + "mlp.gate.weight"] = r(inter, h, std=h ** -0.5)
-        w[p + "mlp.proj.weight"] = r(h, inter, std=inter ** -0.5)
-    return Llama(cfg, w)
-
-
-def noisy_copy(model: Llama, noise: float, seed: int) -> Llama:
-    """A draft that mostly agrees with the verifier: its weights plus relative Gaussian noise."""
-    g = torch.Generator().manual_seed(seed)
-    return Llama(model.cfg, {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in model.w.items()})
 
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,

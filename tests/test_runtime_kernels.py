@@ -16,7 +16,7 @@ SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, "tests")
-from test_runtime import random_llama, noisy_copy
+from conftest import noisy_copy, random_llama
 from bpcompile.runtime.model import ModelConfig
 from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 from bpcompile.runtime.generator import Generator, SamplingParams

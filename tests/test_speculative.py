@@ -13,7 +13,7 @@ from bpcompile.runtime.model import ModelConfig
 from bpcompile.runtime.generator import Generator, SamplingParams
 from bpcompile.kernels.tree_mask import pack_tree_mask, unpack_tree_mask
 from bpcompile.runtime.speculative import (AcceptanceCalibration, DraftTree, DynamicBuilder, Sampling, StaticBuilder, TreeSpec, parse_tree_spec, probs_from_logits, residual_rule, sort_choices)
-from test_runtime import one_thread, random_llama  # noqa: F401  (one_thread: fixture)
+from conftest import one_thread, random_llama  # noqa: F401  (one_thread: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -361,7 +361,7 @@ def test_rope_scaling_context(tmp_path, pair, scaling, seq, ok):
 KERNEL_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, "tests")
-from test_runtime import random_llama, noisy_copy
+from conftest import noisy_copy, random_llama
 from bpcompile.runtime.model import ModelConfig
 from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 from bpcompile.runtime.generator import Generator, SamplingParams

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from bpcompile.core.checkpoint import attention_shape
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import fault_point
 from bpcompile.kernels import paged
@@ -275,8 +276,7 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
     cfg_file = stage_dir / "verifier" / "config.json"
     try:
         cfg = json.loads(cfg_file.read_text())
-        heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        head_size = cfg.get("head_size") or cfg["hidden_size"] // heads
+        heads, kv_heads, head_size = attention_shape(cfg)
     except FileNotFoundError:
         raise UserError("converted verifier config not found", file=str(cfg_file)) from None
     except KeyError as e:

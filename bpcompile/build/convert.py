@@ -55,7 +55,7 @@ def check_parallel(heads: int, kv: int, intermediate: int, layers: int, tp: int,
 
 
 def trtllm_config(spec: dict, tp: int, pp: int, dtype: str) -> dict:
-    """TRT-LLM 1.2 `config.json` for a Llama-family model (PretrainedConfig + LLaMAConfig fields, §1.2)."""
+    """TRT-LLM 1.2 `config.json` for a Llama-family model (its PretrainedConfig and LLaMAConfig fields)."""
     heads = spec["num_attention_heads"]
     cfg = {
         "architecture": spec["architecture"],

@@ -153,10 +153,8 @@ def _check_outputs(loaded: LoadedRecipe) -> None:
     check_repository(loaded.triton_repo_dir, loaded.recipe.name)
 
 
-def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Reporter] = None,
-          fail_after: Optional[str] = None) -> BuildResult:
-    """Build and publish one engine version. `fail_after` names a stage after which to raise (tests use it
-    to show that a failed build publishes nothing)."""
+def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Reporter] = None) -> BuildResult:
+    """Build and publish one engine version (nothing is published when any stage fails)."""
     rep = reporter or Reporter()
     loaded = load_recipe(recipe_path)
     r = loaded.recipe
@@ -208,10 +206,6 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         (stage / "recipe.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))  # provenance
         EngineConfig.from_sections(resolved).save(stage)  # what the runtime and the repository read
 
-        def maybe_fail(name):
-            if fail_after == name:
-                raise RuntimeError(f"injected failure after stage {name!r}")
-
         def convert(role: str, src: Path, pp_: int) -> dict:
             out = convert_checkpoint(src, stage / role, tp=tp, pp=pp_, dtype=_dtype(getattr(r.models, role).dtype),
                                      progress=rep.progress(f"convert {role}"))
@@ -219,15 +213,12 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
 
         rep.run("convert verifier", lambda: convert("verifier", loaded.verifier_dir, pp))
         fault_point("convert")
-        maybe_fail("convert verifier")
         # The draft is small: it keeps the recipe's tp (so it can sit on the verifier's GPUs) but no pp.
         rep.run("convert draft", lambda: convert("draft", loaded.draft_dir, 1))
-        maybe_fail("convert draft")
         rep.run("tokenizer", lambda: _copy_tokenizer(loaded.verifier_dir, stage / "tokenizer"))
 
         fault_point("calibrate")
         _calibrate_stage(loaded, stage, rep)
-        maybe_fail("calibrate")
         _kernels_stage(loaded, stage, rep)
         _target_stage(loaded, stage, rep)
 

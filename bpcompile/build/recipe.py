@@ -240,7 +240,6 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
 
     if "verifier" in configs:
         cfg = configs["verifier"]
-        heads = cfg["num_attention_heads"]
         tp, pp = recipe.parallel.tp, recipe.parallel.pp
         for role, c in configs.items():
             h = c["num_attention_heads"]

@@ -130,6 +130,13 @@ def read_trtllm_config(ckpt_dir: str | Path) -> dict:
         raise UserError(f"not valid JSON: {e}", file=str(path)) from None
 
 
+def attention_shape(cfg: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a checkpoint config; KV heads default to the query heads (MHA) and
+    the head size to hidden_size / heads, as TensorRT-LLM reads them."""
+    heads = cfg["num_attention_heads"]
+    return heads, cfg.get("num_key_value_heads") or heads, cfg.get("head_size") or cfg["hidden_size"] // heads
+
+
 def merge_ranks(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of a converted checkpoint under TRT-LLM names with global layer indices.
 
@@ -142,8 +149,7 @@ def merge_ranks(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     cfg = read_trtllm_config(d)
     m = cfg.get("mapping", {})
     tp, pp = m.get("tp_size", 1), m.get("pp_size", 1)
-    H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    D = cfg.get("head_size") or cfg["hidden_size"] // H
+    H, KV, D = attention_shape(cfg)
     out: dict[str, torch.Tensor] = {}
     for stage in range(pp):
         layers = pp_layers(cfg["num_hidden_layers"], pp, stage)

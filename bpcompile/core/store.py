@@ -45,6 +45,17 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` whole or not at all: written under a hidden temporary name next to it, then
+    renamed over it; a failure (a full disk) leaves neither a half-written file nor the temporary."""
+    tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -74,12 +85,7 @@ class HashCache:
 
     def save(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.data))
-            os.replace(tmp, self.path)
-        finally:  # a full disk must not leave a half-written temporary behind
-            tmp.unlink(missing_ok=True)
+        write_atomic(self.path, json.dumps(self.data))
 
 
 def dir_size(path: Path) -> int:

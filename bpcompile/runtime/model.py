@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from bpcompile.core.checkpoint import attention_shape, merge_ranks
+
 # attend(layer, q[B,T,H,D], k[B,T,KV,D], v[B,T,KV,D]) -> out[B,T,H,D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -44,14 +46,14 @@ class ModelConfig:
     @classmethod
     def from_trtllm(cls, cfg: dict) -> "ModelConfig":
         """From a TensorRT-LLM checkpoint config.json (the `config.json` next to its rank{N}.safetensors files)."""
-        heads = cfg["num_attention_heads"]
+        heads, kv_heads, head_size = attention_shape(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_size=cfg.get("head_size") or cfg["hidden_size"] // heads,
+            num_kv_heads=kv_heads,
+            head_size=head_size,
             intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("norm_epsilon", 1e-5),
             rope_theta=cfg.get("rotary_base", 10000.0),
@@ -198,8 +200,6 @@ class Llama(torch.nn.Module):
     def from_checkpoint(cls, ckpt_dir: str | Path, dtype: Optional[torch.dtype] = torch.float32) -> "Llama":
         """Load a converted TRT-LLM checkpoint (any tp/pp split): merge its rank files back into full tensors.
         dtype None: the checkpoint's own dtype (its config's `dtype`)."""
-        from bpcompile.core.checkpoint import merge_ranks
-
         ckpt_dir = Path(ckpt_dir)
         cfg = ModelConfig.from_trtllm(json.loads((ckpt_dir / "config.json").read_text()))
         if dtype is None:

@@ -55,7 +55,7 @@ from google.protobuf import text_format
 
 from bpcompile.core.engine import TARGETS, EngineConfig
 from bpcompile.core.errors import UserError
-from bpcompile.core.store import fault_point
+from bpcompile.core.store import fault_point, write_atomic
 
 try:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -68,7 +68,7 @@ VERSIONED = ("preprocessing", "generator", "postprocessing")
 SUMMARY = "bpcompile_repository.json"
 T = mc.DataType
 
-# (name, type, dims, optional) — ensemble inputs as tensorrtllm_backend's ensemble names them (§4.3)
+# (name, type, dims, optional) — ensemble inputs as tensorrtllm_backend's ensemble names them
 # text_input is required, but declared optional: tritonserver 2.51 answers an ensemble request that lacks a
 # required input with an empty final response and no error (seen); optional, the request reaches
 # preprocessing, which answers "text_input is missing".
@@ -141,7 +141,7 @@ def version_policy_proto(policy) -> mc.ModelVersionPolicy:
 
 
 def write_config(path: Path, cfg: mc.ModelConfig) -> None:
-    _write_atomic(Path(path), text_format.MessageToString(cfg))  # a poller never reads half a config
+    write_atomic(Path(path), text_format.MessageToString(cfg))  # a poller never reads half a config
 
 
 def read_config(path: Path) -> mc.ModelConfig:
@@ -420,7 +420,7 @@ def _locked(repo: Path, name: Optional[str], engine_dirs: Iterable[Path] = ()) -
     repo.mkdir(parents=True, exist_ok=True)
     with FileLock(str(repo / LOCK)):
         if check_repository(repo, name) is None:  # again: another process may have got here first
-            _write_atomic(repo / MARKER, json.dumps({"engine": name}) + "\n")
+            write_atomic(repo / MARKER, json.dumps({"engine": name}) + "\n")
         repaired = _repair(repo)
         try:
             yield repaired
@@ -443,17 +443,13 @@ def _stage_text(final: Path, text: str) -> Path:
     return tmp
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    os.replace(_stage_text(path, text), path)
-
-
 def _commit(repo: Path, renames: list[tuple[Path, Path]]) -> None:
     """Make what was staged visible. The list of renames is written first, atomically: from then on the new
     version cannot stay half-switched, because the next emission (under the lock) replays what is left.
     Renames allocate no file data, so a full disk that let the staging finish does not stop the switch.
     Order: version directories (generator last within each version), then configs, then the summary."""
     journal = [[str(s.relative_to(repo)), str(d.relative_to(repo))] for s, d in renames]
-    _write_atomic(repo / JOURNAL, json.dumps({"renames": journal}))
+    write_atomic(repo / JOURNAL, json.dumps({"renames": journal}))
     for i, (s, d) in enumerate(renames):
         os.replace(s, d)
         if i == 0:
