@@ -225,6 +225,62 @@ def test_inflight_batching_pages_and_cancel(pair):
     assert {o.request_id for o in outs} == {a, b}
 
 
+def test_inflight_loop_serves_requests_from_other_threads(pair):
+    """The in-flight loop a frontend builds on (the Triton generator model is one): requests submitted from
+    another thread while others run get the verifier's own greedy tokens; a prompt the runtime refuses is
+    rejected without stopping the loop; a request whose client goes away is cancelled and its pages freed;
+    stop() ends the thread once the rest is done."""
+    import queue
+    import threading
+
+    from bpcompile.runtime.inflight import InflightLoop, LoopRequest
+
+    ref = reference(pair, PROMPTS[:3], 24)
+    events: queue.Queue = queue.Queue()
+    gone = threading.Event()
+
+    class Frontend(InflightLoop):
+        def is_cancelled(self, req):
+            return req.prompt == PROMPTS[3] and gone.is_set()
+
+        def on_output(self, req, out):
+            events.put(("out", req, out))
+
+        def on_rejected(self, req, error):
+            events.put(("rejected", req, error))
+
+        def on_cancelled(self, req):
+            events.put(("cancelled", req, None))
+
+    gen = Generator(pair[0], pair[1], TREES["chain"], max_batch_size=4, page_size=4, max_seq_len=64)
+    loop = Frontend(gen).start()
+    reqs = [LoopRequest(p, SamplingParams(max_tokens=24)) for p in PROMPTS[:3]]
+    slow = LoopRequest(PROMPTS[3], SamplingParams(max_tokens=40))
+    loop.submit(slow)
+    loop.submit(reqs[0])
+    loop.submit(LoopRequest([1] * 70, SamplingParams(max_tokens=4)))  # longer than max_input_len
+    finished, seen, joined = {}, [], False
+    while len(finished) < 3 or "rejected" not in seen or "cancelled" not in seen:
+        kind, req, out = events.get(timeout=120)
+        seen.append(kind)
+        if kind == "out" and req is reqs[0] and len(req.out) >= 4 and not joined:
+            loop.submit(reqs[1])  # they join a running batch
+            loop.submit(reqs[2])
+            joined = True
+        if kind == "out" and req is slow and len(req.out) >= 8:
+            gone.set()
+        if kind == "out" and out.finished:
+            finished[id(req)] = req
+        if kind == "rejected":
+            assert "max_input_len" in str(out)
+    assert [r.out for r in reqs] == ref and all(id(r) in finished for r in reqs)
+    assert id(slow) not in finished and 8 <= len(slow.out) < 40
+    loop.stop()
+    loop.thread.join(timeout=60)
+    assert not loop.thread.is_alive() and not loop.running
+    assert len(gen.vkv.free) == gen.vkv.capacity and gen.reserved == 0
+
+
 def test_stop_conditions(pair):
     ref = reference(pair, [PROMPTS[1]], 30)[0]
     gen = Generator(pair[0], pair[1], TREES["chain"], max_batch_size=2, page_size=4)
