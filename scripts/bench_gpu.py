@@ -46,6 +46,7 @@ except ImportError:  # the GPU machine may lack it; nothing here saves or loads 
 from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
+from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, QuantKVStore  # noqa: E402
 
 H200_BW = 4.8e12
@@ -71,13 +72,13 @@ def plan_for(layers: int, kv: int, d: int, group: int, fp8_units: list[tuple[int
 
 def random_fill(st: QuantKVStore, seed: int = 0) -> None:
     """Random payload bytes and sane fp16 scales (timing only: no NaN codes, no zero scales)."""
-    g = torch.Generator(device=st.q4.device).manual_seed(seed)
-    for q in (st.q4, st.q8):
+    g = torch.Generator(device=st.payload[INT4].device).manual_seed(seed)
+    for q in (st.payload[INT4], st.payload[FP8]):
         if q.numel():
             q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, device=q.device, generator=g))
-    if st.q8.numel():
-        st.q8[(st.q8 & 0x7F) == 0x7F] = 0x7E
-    for s in (st.s4, st.s8):
+    if st.payload[FP8].numel():
+        st.payload[FP8][(st.payload[FP8] & 0x7F) == 0x7F] = 0x7E
+    for s in (st.scales[INT4], st.scales[FP8]):
         if s.numel():
             s.copy_((torch.rand(s.shape, device=s.device, generator=g) * 0.2 + 0.05).half())
 

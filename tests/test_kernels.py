@@ -16,6 +16,7 @@ from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
 from bpcompile.build import aot, plugin  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
+from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402
 
 L, KV, D = 2, 2, 64
@@ -101,7 +102,7 @@ def test_quantize_append_is_bit_exact(group_size, dtype, rotation):
         ref.write(layer, slots, k, v)
         K.quantize_append(ker, layer, slots, k, v)
     assert same_bytes(ref, ker)
-    assert ref.s4.abs().sum() > 0 and ref.q8.sum() > 0 and ref.qi8.abs().sum() > 0  # every pool was written
+    assert ref.scales[INT4].abs().sum() > 0 and ref.payload[FP8].sum() > 0 and ref.payload[INT8].abs().sum() > 0  # every pool was written
 
 
 def test_fp8_encoding_edge_values_match_torch():
@@ -122,7 +123,7 @@ def test_fp8_encoding_edge_values_match_torch():
     K.quantize_append(st_ker, 0, slot, x, x)
     assert same_bytes(st_ref, st_ker)
     idx = int(st_ref.unit_index[0, 0, 1])
-    codes = st_ker.q8[0, idx, 5, :len(vals)]
+    codes = st_ker.payload[FP8][0, idx, 5, :len(vals)]
     assert torch.equal(codes, vals.to(torch.float8_e4m3fn).view(torch.uint8))
     assert torch.equal(codes, encode_fp8_e4m3(vals))
 
@@ -199,8 +200,8 @@ def test_attention_comparison_detects_a_wrong_scale():
     def perturb(st, tm, bt, ctx):
         # the INT4 K scale of token 3 of sequence 0 (layer 0, head 0), and an FP8 V scale
         slot = int(bt[0, 0]) * st.page_size + 3
-        st.s4[slot // st.page_size, int(st.unit_index[0, 0, 0]), slot % st.page_size] *= 4
-        st.s8[slot // st.page_size, int(st.unit_index[0, 1, 0]), slot % st.page_size] *= 4
+        st.scales[INT4][slot // st.page_size, int(st.unit_index[0, 0, 0]), slot % st.page_size] *= 4
+        st.scales[FP8][slot // st.page_size, int(st.unit_index[0, 1, 0]), slot % st.page_size] *= 4
         return st, tm
 
     assert run_case(c, perturb) > 10 * c["tol"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bpcompile.core.errors import UserError
+from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
 from bpcompile.runtime.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
                                dequantize_int4, dequantize_int8, encode_fp8_e4m3, fake_quantize, kv_store_factory,
                                make_kv_store, pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
@@ -189,7 +190,7 @@ def test_plan_save_load_roundtrip_and_factory(tmp_path):
     for f in ("plan.json", "scales.safetensors"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
     store = kv_store_factory(back)(TINY, 2, 16, "cpu")
-    assert isinstance(store, QuantKVStore) and store.q8.shape == (2, 4, 16, 64)
+    assert isinstance(store, QuantKVStore) and store.payload[FP8].shape == (2, 4, 16, 64)
 
 
 def test_bad_plans_are_user_errors(tmp_path):

@@ -15,10 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from bpcompile.core.checkpoint import attention_shape
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import fault_point
 from bpcompile.kernels import paged
+from bpcompile.runtime.kvcache import PRECISIONS
 
 # Triton's own AOT tool (triton/tools/compile.py) is not used as is: its launcher computes the grid from the
 # kernel's arguments (ours depends on batch and split count, which are not arguments), maps fp32 scalars to
@@ -262,6 +265,15 @@ def _write_kernels_header(out_dir: Path, specs: list[dict], model: dict, gqa: in
              "BP_QUANT_BLOCK_T": specs[0]["constexprs"]["BLOCK_T"],
              "BP_COMBINE_BLOCK_R": next(s for s in specs if s["kernel"] == "combine_splits")["constexprs"]["BLOCK_R"]}
     lines += [f"#define {k} {v}" for k, v in const.items()]
+    # The KV pools as the store lays them out (runtime/kvcache.py's precision registry): a payload and an fp16
+    # scale pool per unit precision, then how to pass them (pointers, then each precision's unit count).
+    trt = {torch.uint8: "kINT8", torch.int8: "kINT8", torch.float16: "kHALF"}
+    pools = [t for prec in PRECISIONS for t in (trt[prec.payload_dtype], "kHALF")]
+    lines += [f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in PRECISIONS)} */",
+              f"#define BP_NUM_KV_POOLS {len(pools)}",
+              "#define BP_KV_POOL_TYPES " + ", ".join(f"nvinfer1::DataType::{t}" for t in pools),
+              "#define BP_KV_POOL_ARGS(POOL, UNITS) " + ", ".join(
+                  [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(PRECISIONS))])]
     suffix = f"_{model['dtype']}"
     lines += [f"#define {s['name'][:-len(suffix)]}_launch {s['name']}_launch" for s in specs]
     (out_dir / "bp_kernels.h").write_text("\n".join(lines) + "\n")

@@ -378,10 +378,13 @@ def check_shape(head_size: int, group_size: int) -> str | None:
 
 
 def _store_args(store):
-    if not hasattr(store, "q4"):
+    """The pools in the kernels' argument order (payload as bytes, scales; per precision in the store's registry
+    order: INT4, FP8, INT8), then each precision's unit count."""
+    if not hasattr(store, "payload"):
         raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8 pools), got {type(store).__name__}")
-    return (store.q4, store.s4, store.q8, store.s8, store.qi8.view(torch.uint8), store.si8,
-            store.q4.shape[1], store.q8.shape[1], store.qi8.shape[1])
+    pools = store.pools()
+    payloads = pools[0::2]
+    return (*(t.view(torch.uint8) if t.dtype == torch.int8 else t for t in pools), *(t.shape[1] for t in payloads))
 
 
 def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -494,7 +497,7 @@ def move_slots(store, src: torch.Tensor, dst: torch.Tensor) -> None:
     n = int(src.numel())
     if n == 0:
         return
-    dev = store.q4.device
+    dev = store.unit_precision.device
     src = src.to(device=dev, dtype=torch.int64).contiguous()
     dst = dst.to(device=dev, dtype=torch.int64).contiguous()
     for pool in store.pools():

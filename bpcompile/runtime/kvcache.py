@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -94,8 +94,6 @@ class FloatKVStore(KVStore):
 # Reference quantizers: the oracle the GPU kernels are checked against (docs/KV_FORMAT.md §3-4).
 # Inputs are float32 vectors [..., D]; groups are contiguous runs of G elements along the last dim.
 
-INT4, FP8, INT8 = 0, 1, 2
-PRECISION_CODES = {"int4": INT4, "fp8": FP8, "int8": INT8}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 
@@ -250,6 +248,45 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
 
 
 # ---------------------------------------------------------------------------------------------
+# The unit precisions: one entry each, read by the store (pools, codecs), the plan (bytes per token), the
+# kernels' launch code (pool order, unit counts) and the TensorRT plugin's constants (generated header).
+# A new precision is an entry here plus its branch in the kernels.
+
+@dataclass(frozen=True)
+class UnitPrecision:
+    name: str  # in KV plans
+    code: int  # the kernels' and the plugin's unit_precision value (their branches use the literals)
+    payload_dtype: torch.dtype  # element type of the payload pool; every precision has an fp16 scale pool
+    payload_width: Callable[[int], int]  # payload bytes per unit and token, for head size D
+    encode: Callable  # (x float32 [..., D], G, clip, decoded: bool) -> (payload, scales fp16, decoded float32 | None)
+    decode: Callable  # (payload, scales, G) -> float32 [..., D]
+
+
+def _encode_int4(x, group_size, clip, decoded):
+    n, s = _int4_levels(x, group_size, clip)
+    # what dequantize_int4 of the bytes gives, computed from the levels instead of unpacking them
+    dec = ((n - INT4_ZERO) * s.float()[..., None]).reshape(x.shape) if decoded else None
+    return pack_int4(n.reshape(x.shape)), s, dec
+
+
+def _codec(quantize, dequantize):
+    def encode(x, group_size, clip, decoded):
+        q, s = quantize(x, group_size)
+        return q, s, dequantize(q, s, group_size) if decoded else None
+    return encode
+
+
+PRECISIONS = (
+    UnitPrecision("int4", 0, torch.uint8, lambda d: d // 2, _encode_int4, dequantize_int4),
+    UnitPrecision("fp8", 1, torch.uint8, lambda d: d, _codec(quantize_fp8, dequantize_fp8), dequantize_fp8),
+    UnitPrecision("int8", 2, torch.int8, lambda d: d, _codec(quantize_int8, dequantize_int8), dequantize_int8),
+)
+BY_CODE = {p.code: p for p in PRECISIONS}
+PRECISION_CODES = {p.name: p.code for p in PRECISIONS}
+INT4, FP8, INT8 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The KV plan: per-unit precision and static scales, decided at calibration (bpcompile/build/calibrate.py).
 
 FORMATS = ("int4-fp8-outlier", "int4-naive", "fp8", "int8", "fp16")
@@ -333,8 +370,7 @@ class KVPlan:
         d, g = self.head_size, self.effective_group_size
         if self.format == "fp16":
             return self.num_layers * self.num_kv_heads * 2 * 2 * d
-        per = {INT4: d // 2, FP8: d, INT8: d}
-        return sum(per[int(c)] + 2 * (d // g) for c in self.unit_precision().flatten())
+        return sum(BY_CODE[int(c)].payload_width(d) + 2 * (d // g) for c in self.unit_precision().flatten())
 
     def compression_vs_fp16(self) -> float:
         return self.num_layers * self.num_kv_heads * 2 * 2 * self.head_size / self.bytes_per_token()
@@ -414,13 +450,13 @@ class QuantKVStore(KVStore):
             index[u] = counts.get(c, 0)
             counts[c] = index[u] + 1
         self.unit_index = index.reshape(L, 2, KV).to(dev)
-        n4, n8, ni8 = (int(counts.get(c, 0)) for c in (INT4, FP8, INT8))
-        self.q4 = torch.zeros(num_pages, n4, page_size, D // 2, dtype=torch.uint8, device=dev)
-        self.s4 = torch.zeros(num_pages, n4, page_size, D // G, dtype=torch.float16, device=dev)
-        self.q8 = torch.zeros(num_pages, n8, page_size, D, dtype=torch.uint8, device=dev)
-        self.s8 = torch.zeros(num_pages, n8, page_size, D // G, dtype=torch.float16, device=dev)
-        self.qi8 = torch.zeros(num_pages, ni8, page_size, D, dtype=torch.int8, device=dev)
-        self.si8 = torch.zeros(num_pages, ni8, page_size, D // G, dtype=torch.float16, device=dev)
+        # per precision (registry order) a payload pool and an fp16 scale pool, [P, units, S, ...]
+        self.payload, self.scales = {}, {}
+        for prec in PRECISIONS:
+            n = int(counts.get(prec.code, 0))
+            self.payload[prec.code] = torch.zeros(num_pages, n, page_size, prec.payload_width(D),
+                                                  dtype=prec.payload_dtype, device=dev)
+            self.scales[prec.code] = torch.zeros(num_pages, n, page_size, D // G, dtype=torch.float16, device=dev)
         kcs = plan.k_channel_scale if plan.k_channel_scale is not None else torch.ones(L, KV, D)
         clip = plan.int4_clip if plan.int4_clip is not None else torch.ones(L, 2, KV)
         self.k_channel_scale = kcs.float().to(dev).contiguous()
@@ -440,10 +476,11 @@ class QuantKVStore(KVStore):
             self._groups[layer] = [
                 (c, units.to(dev), self.unit_index[layer].flatten()[units.to(dev)].long(),
                  self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
-                for c in (INT4, FP8, INT8) if len(units := (prec == c).nonzero().flatten()) > 0]
+                for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
 
     def pools(self) -> list[torch.Tensor]:
-        return [self.q4, self.s4, self.q8, self.s8, self.qi8, self.si8]
+        """Payload and scale pool of each precision, in registry order (the kernels' argument order)."""
+        return [t for prec in PRECISIONS for t in (self.payload[prec.code], self.scales[prec.code])]
 
     def _split(self, slots):
         return slots // self.page_size, slots % self.page_size
@@ -456,38 +493,21 @@ class QuantKVStore(KVStore):
         for c, units, idx, clip in groups:
             xs = x if whole else x[:, units]
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
-            if c == INT4:
-                n, sc = _int4_levels(xs, self.G, clip)
-                self.q4[pi, ii, oi], self.s4[pi, ii, oi] = pack_int4(n.reshape(xs.shape)), sc
-                if out is not None:  # what dequantize_int4 of the bytes just stored gives, without unpacking them
-                    dec = ((n - INT4_ZERO) * sc.float()[..., None]).reshape(xs.shape)
-                    if whole:
-                        out.copy_(dec)
-                    else:
-                        out[:, units] = dec
+            q, sc, dec = BY_CODE[c].encode(xs, self.G, clip, out is not None)
+            self.payload[c][pi, ii, oi], self.scales[c][pi, ii, oi] = q, sc
+            if out is None:
                 continue
-            if c == FP8:
-                q, sc = quantize_fp8(xs, self.G)
-                self.q8[pi, ii, oi], self.s8[pi, ii, oi] = q, sc
-                dec = dequantize_fp8
+            if whole:
+                out.copy_(dec)
             else:
-                q, sc = quantize_int8(xs, self.G)
-                self.qi8[pi, ii, oi], self.si8[pi, ii, oi] = q, sc
-                dec = dequantize_int8
-            if out is not None:
-                out[:, units] = dec(q, sc, self.G)
+                out[:, units] = dec
 
     def _dequantize(self, layer: int, p, o) -> torch.Tensor:
         """-> [N, 2 * KV, D]: K units then V units of one layer, in the transformed basis."""
         out = torch.empty(len(p), 2 * self.num_kv_heads, self.head_size, dtype=torch.float32, device=p.device)
         for c, heads, idx, _ in self._groups[layer]:
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
-            if c == INT4:
-                out[:, heads] = dequantize_int4(self.q4[pi, ii, oi], self.s4[pi, ii, oi], self.G)
-            elif c == FP8:
-                out[:, heads] = dequantize_fp8(self.q8[pi, ii, oi], self.s8[pi, ii, oi], self.G)
-            else:
-                out[:, heads] = dequantize_int8(self.qi8[pi, ii, oi], self.si8[pi, ii, oi], self.G)
+            out[:, heads] = BY_CODE[c].decode(self.payload[c][pi, ii, oi], self.scales[c][pi, ii, oi], self.G)
         return out
 
     @property
@@ -598,14 +618,10 @@ def fake_quantize(x: torch.Tensor, precision: str, group_size: int,
         x = x / channel_scale
     if rotate:
         x = x @ hadamard(x.shape[-1], x.device)
-    if precision == "int4":
-        y = dequantize_int4(*quantize_int4(x, group_size, clip), group_size)
-    elif precision == "fp8":
-        y = dequantize_fp8(*quantize_fp8(x, group_size), group_size)
-    elif precision == "int8":
-        y = dequantize_int8(*quantize_int8(x, group_size), group_size)
-    else:
+    if precision not in PRECISION_CODES:
         raise ValueError(f"unknown precision {precision!r}")
+    prec = BY_CODE[PRECISION_CODES[precision]]
+    y = prec.decode(*prec.encode(x, group_size, clip, False)[:2], group_size)
     if rotate:
         y = y @ hadamard(y.shape[-1], y.device)
     if channel_scale is not None:

@@ -34,13 +34,18 @@ namespace
 char const* const kNAMESPACE = "bpcompile";
 char const* const kVERSION = "1";
 
-// Pool inputs, in the order both plugins take them after their own inputs.
+// Pool inputs, in the order both plugins take them after their own inputs: the KV pools (a payload and a scale
+// pool per unit precision, from the generated bp_kernels.h), then the unit tables.
 enum Pool : int32_t
 {
-    kQ4 = 0, kS4, kQ8, kS8, kQI8, kSI8, kUNIT_PRECISION, kUNIT_INDEX, kK_CHANNEL_SCALE, kNUM_POOLS
+    kUNIT_PRECISION = BP_NUM_KV_POOLS, kUNIT_INDEX, kK_CHANNEL_SCALE, kNUM_POOLS
 };
-DataType const kPOOL_TYPES[kNUM_POOLS] = {DataType::kINT8, DataType::kHALF, DataType::kINT8, DataType::kHALF,
-    DataType::kINT8, DataType::kHALF, DataType::kINT8, DataType::kINT32, DataType::kFLOAT};
+DataType const kPOOL_TYPES[kNUM_POOLS]
+    = {BP_KV_POOL_TYPES, DataType::kINT8, DataType::kINT32, DataType::kFLOAT};
+// The KV pools as kernel arguments (p: the first pool input, in: the input descriptors): BP_KV_POOL_ARGS
+// expands these for every pool pointer, then every precision's unit count.
+#define BP_POOL_PTR(i) ptr(p[i])
+#define BP_POOL_UNITS(i) units(in, kFIRST_POOL, i)
 
 DataType activationType()
 {
@@ -237,9 +242,8 @@ public:
         if (n == 0)
             return 0;
         CUresult r = bp_quantize_append_launch(reinterpret_cast<CUstream>(stream), (n + BP_QUANT_BLOCK_T - 1) / BP_QUANT_BLOCK_T,
-            2 * kvh, 1, ptr(inputs[0]), ptr(inputs[1]), kvh * d, d, kvh * d, d, ptr(inputs[2]), n, ptr(p[kQ4]),
-            ptr(p[kS4]), ptr(p[kQ8]), ptr(p[kS8]), ptr(p[kQI8]), ptr(p[kSI8]), units(in, kFIRST_POOL, kQ4),
-            units(in, kFIRST_POOL, kQ8), units(in, kFIRST_POOL, kQI8), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),
+            2 * kvh, 1, ptr(inputs[0]), ptr(inputs[1]), kvh * d, d, kvh * d, d, ptr(inputs[2]), n,
+            BP_KV_POOL_ARGS(BP_POOL_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),
             ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[kFIRST_POOL + kNUM_POOLS]), mF.get("layer"), kvh);
         (void) out;
         return r == CUDA_SUCCESS ? 0 : -1;
@@ -336,9 +340,8 @@ public:
         int32_t const sq = H * D, sg = H * D * G; // contiguous q / out strides (elements)
         CUresult r;
 #define BP_ATTN_ARGS                                                                                            \
-    ptr(inputs[0]), sg, sq, D, ptr(outputs[0]), sg, sq, D, partAcc, partMl, nrows, ptr(p[kQ4]), ptr(p[kS4]),   \
-        ptr(p[kQ8]), ptr(p[kS8]), ptr(p[kQI8]), ptr(p[kSI8]), units(in, kFIRST_POOL, kQ4),                     \
-        units(in, kFIRST_POOL, kQ8), units(in, kFIRST_POOL, kQI8), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]), \
+    ptr(inputs[0]), sg, sq, D, ptr(outputs[0]), sg, sq, D, partAcc, partMl, nrows,                            \
+        BP_KV_POOL_ARGS(BP_POOL_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),           \
         ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[1]), maxPages, ptr(inputs[2]), ptr(inputs[3]), ptr(inputs[4]),    \
         ptr(inputs[4]), mF.get("layer"), kvh, G, W, scaleBits, chunk
         unsigned const gx = static_cast<unsigned>(B * kvh), gy = static_cast<unsigned>(splits);
