@@ -135,6 +135,27 @@ def _quantize_append_kernel(
 
 
 @triton.jit
+def _by_precision(prec, int4, fp8, int8):
+    """A unit's pool (or unit count) by its precision code."""
+    return tl.where(prec == 0, int4, tl.where(prec == 1, fp8, int8))
+
+
+@triton.jit
+def _codes(b_lo, b_hi, prec):
+    """Payload bytes of a row's low and high halves -> its codes as fp16 (exact), before the scales."""
+    if prec == 0:  # nibble n -> fp16 1024 + n by bit pattern, minus 1032 = n - 8 (no int->float convert)
+        lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    elif prec == 1:
+        lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:  # int8 q: (q + 128) -> 1024 + q + 128, minus 1152
+        lo = ((b_lo ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+        hi = ((b_hi ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    return lo, hi
+
+
+@triton.jit
 def _paged_attention_kernel(
         Q, stride_qb, stride_qg, stride_qh,  # queries [B, G, H, D], post-RoPE, last dim contiguous
         Out, stride_ob, stride_og, stride_oh,  # [B, G, H, D] (written when SPLIT == 0)
@@ -191,12 +212,10 @@ def _paged_attention_kernel(
     vprec = tl.load(unit_precision + uv).to(tl.int32)
     kidx = tl.load(unit_index + uk).to(tl.int64)
     vidx = tl.load(unit_index + uv).to(tl.int64)
-    k_pay = tl.where(kprec == 0, q4, tl.where(kprec == 1, q8, qi8))
-    v_pay = tl.where(vprec == 0, q4, tl.where(vprec == 1, q8, qi8))
-    k_sc = tl.where(kprec == 0, s4, tl.where(kprec == 1, s8, si8))
-    v_sc = tl.where(vprec == 0, s4, tl.where(vprec == 1, s8, si8))
-    kU = tl.where(kprec == 0, U4, tl.where(kprec == 1, U8, Ui8)).to(tl.int64)
-    vU = tl.where(vprec == 0, U4, tl.where(vprec == 1, U8, Ui8)).to(tl.int64)
+    k_pay, v_pay = _by_precision(kprec, q4, q8, qi8), _by_precision(vprec, q4, q8, qi8)
+    k_sc, v_sc = _by_precision(kprec, s4, s8, si8), _by_precision(vprec, s4, s8, si8)
+    kU = _by_precision(kprec, U4, U8, Ui8).to(tl.int64)
+    vU = _by_precision(vprec, U4, U8, Ui8).to(tl.int64)
     k_ho = (kprec != 0).to(tl.int64) * HALF
     v_ho = (vprec != 0).to(tl.int64) * HALF
     k_rb = k_ho + HALF
@@ -226,15 +245,7 @@ def _paged_attention_kernel(
         kb = k_pay + (krow * k_rb)[:, None] + j[None, :]
         b_lo = tl.load(kb, mask=m2, other=0)
         b_hi = tl.load(kb + k_ho, mask=m2, other=0)
-        if kprec == 0:  # nibble n -> fp16 1024 + n by bit pattern, minus 1032 = n - 8 (no int->float convert)
-            k_lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-            k_hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        elif kprec == 1:
-            k_lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            k_hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:  # int8 q: (q + 128) -> 1024 + q + 128, minus 1152
-            k_lo = ((b_lo ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-            k_hi = ((b_hi ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+        k_lo, k_hi = _codes(b_lo, b_hi, kprec)
         if HALF_SCALE:
             ks_lo = tl.load(k_sc + krow * NG, mask=tok, other=0.0).to(tl.float32)
             ks_hi = tl.load(k_sc + krow * NG + HALF // GS, mask=tok, other=0.0).to(tl.float32)
@@ -268,15 +279,7 @@ def _paged_attention_kernel(
         vb = v_pay + (vrow * v_rb)[:, None] + j[None, :]
         b_lo = tl.load(vb, mask=m2, other=0)
         b_hi = tl.load(vb + v_ho, mask=m2, other=0)
-        if vprec == 0:
-            v_lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-            v_hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        elif vprec == 1:
-            v_lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            v_hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:
-            v_lo = ((b_lo ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-            v_hi = ((b_hi ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+        v_lo, v_hi = _codes(b_lo, b_hi, vprec)
         vs = v_sc + vrow[:, None] * NG
         if HALF_SCALE:
             v_lo = v_lo.to(tl.float32) * tl.load(vs, mask=m2, other=0.0).to(tl.float32)
