@@ -113,6 +113,35 @@ def validate(recipe, as_json):
 
 
 @main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--device", default="h200", show_default=True, help="h200 | h100 | a100-80gb")
+@click.option("--memory-gb", type=click.FloatRange(min=1), default=None, help="Override the device's memory.")
+@click.option("--bandwidth-tbs", type=click.FloatRange(min=0.01), default=None, help="Override its bandwidth.")
+@click.option("--json", "as_json", is_flag=True)
+def plan(recipe, device, memory_gb, bandwidth_tbs, as_json):
+    """Per-GPU memory plan of RECIPE: weights, KV caches at its limits, activations, what fits, a projected
+    decode speed; at the recipe's tp and at the smallest tp that fits. Reads only the models' config.json.
+    Exit 2 when the recipe does not fit at its own tp."""
+    from bpcompile.build.hf import read_hf_config
+    from bpcompile.build.plan import device_from, markdown, plan_report
+    from bpcompile.build.recipe import parse_recipe
+
+    r, _ = parse_recipe(recipe)
+    base = recipe.resolve().parent
+    cfgs = [read_hf_config(base / m.path) for m in (r.models.verifier, r.models.draft)]
+    report = plan_report(r, cfgs[0], cfgs[1], device_from(device, memory_gb, bandwidth_tbs))
+    if as_json:
+        _emit_json(report)
+    else:
+        click.echo(markdown(report))
+    if not report["at_recipe_tp"]["fits"]:
+        smallest = report["smallest_tp_that_fits"]
+        hint = f"parallel.tp: {smallest['tp']}" if smallest else "a smaller limits.max_batch_size or max_seq_len"
+        raise UserError(f"{r.name} does not fit {report['at_recipe_tp']['device']} at tp = {r.parallel.tp}: "
+                        f"try {hint}", file=str(recipe), key="parallel.tp" if smallest else "limits")
+
+
+@main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def inspect(path, as_json):

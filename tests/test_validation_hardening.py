@@ -203,7 +203,11 @@ def test_kv_pool_that_does_not_fit_in_memory_is_refused(tmp_path, pair):
 def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
     from bpcompile.build.hf import read_hf_config
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
-    from bpcompile.build.recipe import kv_pool_bytes, load_recipe
+    import torch
+
+    from bpcompile.build.plan import kv_pool_bytes
+    from bpcompile.build.recipe import load_recipe
+    from bpcompile.runtime.paged_kv import float_store_factory
     from bpcompile.runtime.generator import Generator
     from bpcompile.runtime.speculative import TreeSpec
     from bpcompile.build.convert import convert_checkpoint
@@ -219,7 +223,7 @@ def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
                                                                    "outlier_fraction: 0.25}"))
         r = loaded.recipe
         vcfg = models["verifier"].cfg
-        factory = None
+        factory = float_store_factory(torch.float16)  # what Generator.from_engine gives format fp16
         if fmt != "fp16":
             plan = KVPlan.uniform(fmt, vcfg.num_layers, vcfg.num_kv_heads, vcfg.head_size, group_size=16)
             plan.precision[0]["k"][0] = "fp8"  # 1 of 4 units in FP8: outlier_fraction 0.25

@@ -263,6 +263,8 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         if recipe.limits.max_seq_len > ctx:
             problem(("limits", "max_seq_len"), f"{recipe.limits.max_seq_len} exceeds the verifier's context ({ctx})")
         if recipe.target == "native":
+            from bpcompile.build.plan import kv_pool_bytes
+
             need, have = kv_pool_bytes(recipe, cfg, configs.get("draft")), physical_memory()
             if have and need > have:
                 problem(("limits", "max_batch_size"),
@@ -288,28 +290,6 @@ def context_length(cfg: dict) -> int:
     if sc.get("rope_type") == "linear":
         return int(cfg["max_position_embeddings"] * sc["factor"])
     return cfg["max_position_embeddings"]
-
-
-def kv_pool_bytes(recipe: Recipe, verifier: dict, draft: Optional[dict]) -> int:
-    """Bytes of the KV caches the native runtime allocates up front for these limits (bpcompile.runtime.Generator:
-    max_batch_size sequences of max_seq_len + one step's tree, in pages; float caches in float32)."""
-    lim, kv, spec = recipe.limits, recipe.kv_cache, recipe.speculative
-    drafts = {"none": 0, "chain": spec.length, "static": len(spec.choices or []), "dynamic": spec.nodes}[spec.tree]
-    pages = lim.max_batch_size * -(-(lim.max_seq_len + drafts + 1) // kv.page_size) + 1
-    tokens = pages * kv.page_size
-
-    def per_token(cfg: dict, fmt: str) -> float:
-        L, H, D = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
-        units = 2 * L * H  # (layer, KV head, K|V)
-        if fmt == "float32":
-            return units * D * 4
-        scales = units * 2 * (D // min(kv.group_size, D))  # one fp16 scale per group
-        wide = {"fp8": units, "int8": units, "int4-fp8-outlier": -(-units * kv.outlier_fraction // 1)}[fmt]
-        return scales + wide * D + (units - wide) * D / 2
-
-    v = per_token(verifier, "float32" if kv.format == "fp16" else kv.format)
-    d = per_token(draft, "float32") if draft is not None and spec.tree != "none" else 0
-    return int(tokens * (v + d))
 
 
 def physical_memory() -> Optional[int]:

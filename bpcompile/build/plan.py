@@ -1,0 +1,196 @@
+"""The memory plan of a recipe, per GPU: weights, KV caches at the recipe's limits, the largest step's
+activations; how many sequences of what length fit; a projected decode speed from the bytes a step moves.
+
+Arithmetic from the two models' config.json alone (no weight is read), so it answers before a build. The
+shapes are the ones the converter writes (bpcompile/core/checkpoint.py: q/k/v, o, MLP and lm_head split over
+tp, KV heads repeated when tp exceeds them, the embedding and norms replicated) and the runtime allocates
+(bpcompile/runtime/generator.py: max_batch_size sequences of max_seq_len plus one step's tree, in pages, for
+the verifier and the draft). KV bytes per unit come from the unit-precision registry. Activations and the
+decode speed are estimates and say so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from bpcompile.build.calibrate import n_outlier_units
+from bpcompile.core.errors import UserError
+from bpcompile.runtime.kvcache import PRECISIONS
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory: float  # bytes
+    bandwidth: float  # bytes/s (HBM)
+
+
+DEVICES = {
+    "h200": Device("H200 (141 GB, 4.8 TB/s)", 141 * GB, 4.8e12),
+    "h100": Device("H100 SXM (80 GB, 3.35 TB/s)", 80 * GB, 3.35e12),
+    "a100-80gb": Device("A100 80GB (2.0 TB/s)", 80 * GB, 2.0e12),
+}
+USABLE = 0.9  # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
+
+
+def tree_tokens(recipe) -> int:
+    """Tokens one verifier step writes per sequence: the true token plus the draft tokens of the tree."""
+    s = recipe.speculative
+    return 1 + {"none": 0, "chain": s.length, "static": len(s.choices or []), "dynamic": s.nodes}[s.tree]
+
+
+def cache_tokens(recipe) -> int:
+    """Token slots the runtime allocates per cache: max_batch_size sequences of max_seq_len + one tree, in
+    whole pages, plus the padding page."""
+    lim, page = recipe.limits, recipe.kv_cache.page_size
+    return (lim.max_batch_size * -(-(lim.max_seq_len + tree_tokens(recipe)) // page) + 1) * page
+
+
+def kv_heads_per_rank(cfg: dict, tp: int) -> int:
+    return max(cfg["num_key_value_heads"] // tp, 1)
+
+
+def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dtype_bytes: int = 2) -> float:
+    """KV bytes per token on one rank. fmt: the recipe's format for the verifier; None = a float cache in the
+    compute dtype (the draft's)."""
+    L, KV, D = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    share = kv_heads_per_rank(cfg, tp) / KV  # of the model's (layer, KV head, K|V) units on this rank
+    units = 2 * L * KV
+    if fmt is None:
+        return share * units * D * dtype_bytes
+    if fmt == "fp16":
+        return share * units * D * 2
+    G = min(recipe.kv_cache.group_size, D)
+    width = {p.name: p.payload_width(D) + 2 * (D // G) for p in PRECISIONS}  # payload + fp16 scales
+    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in the outlier precision
+        wide = n_outlier_units(recipe.kv_cache.outlier_fraction, units)
+        return share * (wide * width[recipe.kv_cache.outlier_precision] + (units - wide) * width["int4"])
+    return share * units * width[fmt]
+
+
+def weight_params_per_rank(cfg: dict, tp: int) -> int:
+    """Parameters one tensor-parallel rank holds (pp = 1), as the converter splits them."""
+    h, L, I, V, D = (cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                                       "head_dim"))
+    hq = cfg["num_attention_heads"] // tp * D
+    hkv = kv_heads_per_rank(cfg, tp) * D
+    layer = 2 * h + (hq + 2 * hkv) * h + h * hq + 3 * h * (I // tp)
+    layer += (hq + 2 * hkv) * cfg.get("qkv_bias", False) + h * cfg.get("o_bias", False)
+    layer += (2 * (I // tp) + h) * cfg.get("mlp_bias", False)
+    lm_head = -(-V // tp) * h  # written (and split) even when tied
+    return V * h + L * layer + h + lm_head
+
+
+def kv_pool_bytes(recipe, verifier: dict, draft: Optional[dict]) -> int:
+    """Bytes of the KV caches the native runtime allocates on this machine for the recipe's limits: one process
+    holds the whole model (tp 1), the verifier's cache in the recipe's format, the draft's in float32 (the CPU
+    runtime computes in float32)."""
+    per_token = kv_bytes_per_token(verifier, recipe, 1, recipe.kv_cache.format)
+    if draft is not None and recipe.speculative.tree != "none":
+        per_token += kv_bytes_per_token(draft, recipe, 1, None, 4)
+    return int(cache_tokens(recipe) * per_token)
+
+
+def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Optional[int] = None) -> dict:
+    """The plan at tensor-parallel size tp (default: the recipe's). recipe: a bpcompile.build.recipe.Recipe;
+    verifier/draft: normalized HF configs (bpcompile.build.hf.read_hf_config)."""
+    tp = tp or recipe.parallel.tp
+    lim = recipe.limits
+    speculating = draft is not None and recipe.speculative.tree != "none"
+
+    def dtype_of(spec, cfg):
+        name = cfg.get("dtype") if spec.dtype == "auto" else spec.dtype
+        return DTYPE_BYTES.get(name or "bfloat16", 2)
+
+    vb, db = dtype_of(recipe.models.verifier, verifier), dtype_of(recipe.models.draft, draft or {})
+    tokens = cache_tokens(recipe)
+    weights = weight_params_per_rank(verifier, tp) * vb + (weight_params_per_rank(draft, tp) * db if speculating else 0)
+    kv_token = kv_bytes_per_token(verifier, recipe, tp, recipe.kv_cache.format)
+    draft_token = kv_bytes_per_token(draft, recipe, tp, None, db) if speculating else 0.0
+    kv = tokens * (kv_token + draft_token)
+    # the largest forward: prefill of a full batch of max_input_len prompts (hidden states, q/k/v, the two MLP
+    # inputs of this rank) in the compute dtype, plus a step's logits in fp32
+    h, I = verifier["hidden_size"], verifier["intermediate_size"]
+    qkv = (verifier["num_attention_heads"] // tp + 2 * kv_heads_per_rank(verifier, tp)) * verifier["head_dim"]
+    prefill_tokens = lim.max_batch_size * lim.max_input_len
+    activations = prefill_tokens * (4 * h + qkv + 2 * (I // tp)) * vb
+    activations += lim.max_batch_size * tree_tokens(recipe) * -(-verifier["vocab_size"] // tp) * 4
+    total = weights + kv + activations
+    usable = device.memory * USABLE
+    per_seq = -(-(lim.max_seq_len + tree_tokens(recipe)) // recipe.kv_cache.page_size) * recipe.kv_cache.page_size \
+        * (kv_token + draft_token)
+    room = usable - weights - activations
+    fits_seqs = max(0, int(room // per_seq)) if per_seq else 0
+
+    def decode(batch: int, context: int) -> float:
+        """Projected verifier-only decode tokens/s: one step reads this rank's verifier weights and every
+        sequence's KV once (bandwidth-bound; no speculation, no compute or launch time)."""
+        moved = weight_params_per_rank(verifier, tp) * vb + batch * context * kv_token
+        return batch * device.bandwidth / moved
+
+    return {
+        "tp": tp, "device": device.name, "usable_bytes": usable,
+        "weights_bytes": weights, "kv_bytes": kv, "kv_bytes_per_token": kv_token,
+        "draft_kv_bytes_per_token": draft_token, "cache_tokens": tokens, "activations_bytes": activations,
+        "total_bytes": total, "fits": total <= usable,
+        "sequences_that_fit_at_max_seq_len": fits_seqs,
+        "projected_decode_tokens_per_s": {"batch_1_at_max_seq_len": decode(1, lim.max_seq_len),
+                                          f"batch_{lim.max_batch_size}_at_max_seq_len":
+                                              decode(lim.max_batch_size, lim.max_seq_len)},
+    }
+
+
+def valid_tps(verifier: dict, draft: Optional[dict], upto: int = 64) -> list[int]:
+    """Tensor-parallel sizes (powers of two) that both models split under (the converter's rules)."""
+    out = []
+    for tp in (2 ** i for i in range(int(math.log2(upto)) + 1)):
+        ok = True
+        for cfg in filter(None, (verifier, draft)):
+            H, KV, I = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+            ok &= not (H % tp or I % tp or (tp > KV and tp % KV) or (tp <= KV and KV % tp))
+        if ok:
+            out.append(tp)
+    return out
+
+
+def plan_report(recipe, verifier: dict, draft: Optional[dict], device: Device) -> dict:
+    """The plan at the recipe's tp and at the smallest tp that fits (None when none does)."""
+    at_recipe = plan(recipe, verifier, draft, device)
+    smallest = next((p for tp in valid_tps(verifier, draft)
+                     if (p := plan(recipe, verifier, draft, device, tp))["fits"]), None)
+    return {"recipe": recipe.name, "at_recipe_tp": at_recipe, "smallest_tp_that_fits": smallest}
+
+
+def device_from(name: str, memory_gb: Optional[float], bandwidth_tbs: Optional[float]) -> Device:
+    if name not in DEVICES:
+        raise UserError(f"unknown device {name!r}; one of {', '.join(DEVICES)} (or give --memory-gb and "
+                        "--bandwidth-tbs)", key="device")
+    d = DEVICES[name]
+    if memory_gb is None and bandwidth_tbs is None:
+        return d
+    return Device(f"{memory_gb or d.memory / GB:g} GB, {bandwidth_tbs or d.bandwidth / 1e12:g} TB/s",
+                  (memory_gb or d.memory / GB) * GB, (bandwidth_tbs or d.bandwidth / 1e12) * 1e12)
+
+
+def markdown(report: dict) -> str:
+    def col(p):
+        if p is None:
+            return ["no tp that fits"] + [""] * 8
+        return [f"tp = {p['tp']}", f"{p['weights_bytes'] / GB:.2f} GB", f"{p['kv_bytes'] / GB:.2f} GB "
+                f"({p['cache_tokens']:,} tokens, {p['kv_bytes_per_token']:,.0f} B/token verifier)",
+                f"{p['activations_bytes'] / GB:.2f} GB (estimate)", f"{p['total_bytes'] / GB:.2f} GB",
+                f"{p['usable_bytes'] / GB:.1f} GB", "yes" if p["fits"] else "**no**",
+                f"{p['sequences_that_fit_at_max_seq_len']:,}",
+                ", ".join(f"{k.replace('_', ' ')}: {v:,.0f}" for k, v in p["projected_decode_tokens_per_s"].items())]
+    rows = ["per GPU", "weights", "KV caches at the limits", "activations", "total", "usable (90%)", "fits",
+            "sequences of max_seq_len that fit", "projected decode tok/s (bandwidth bound, verifier only)"]
+    a, b = col(report["at_recipe_tp"]), col(report["smallest_tp_that_fits"])
+    lines = [f"memory plan of {report['recipe']} on {report['at_recipe_tp']['device']}", "",
+             "| | recipe's tp | smallest tp that fits |", "|---|---|---|"]
+    lines += [f"| {r} | {x} | {y} |" for r, x, y in zip(rows, a, b)]
+    return "\n".join(lines)
+

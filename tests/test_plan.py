@@ -1,0 +1,107 @@
+"""`bpcompile plan`: the per-GPU memory plan, checked against figures computed by hand (in the comments) for a
+small GQA config and a Llama-3.1-70B-shaped one, and the command's exits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from bpcompile.build.plan import DEVICES, plan
+from bpcompile.build.recipe import Recipe
+from bpcompile.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+L70 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+       "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+       "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+       "tie_word_embeddings": False, "hidden_act": "silu"}
+L1B = {**L70, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+       "head_dim": 64, "tie_word_embeddings": True}
+
+
+def _spec(raw: dict) -> dict:
+    """The normalized config read_hf_config gives, for the keys the plan reads."""
+    return {"hidden_size": raw["hidden_size"], "intermediate_size": raw["intermediate_size"],
+            "num_hidden_layers": raw["num_hidden_layers"], "num_attention_heads": raw["num_attention_heads"],
+            "num_key_value_heads": raw["num_key_value_heads"], "vocab_size": raw["vocab_size"],
+            "head_dim": raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]),
+            "dtype": raw["torch_dtype"], "qkv_bias": False, "o_bias": False, "mlp_bias": False}
+
+
+def test_70b_recipe_at_tp8_on_h200():
+    r = Recipe.model_validate({**_recipe_70b(), "models": {"verifier": {"path": "v", "dtype": "bfloat16"},
+                                                           "draft": {"path": "d", "dtype": "bfloat16"}}})
+    p = plan(r, _spec(L70), _spec(L1B), DEVICES["h200"])
+    # verifier params on one of 8 ranks: embedding replicated 128256*8192 = 1,050,673,152; lm_head split
+    # 16032*8192 = 131,334,144; ln_f 8192; per layer 2*8192 (norms) + (1024 + 2*128)*8192 (q, k, v: 8 query heads
+    # and 1 KV head of 128) + 8192*1024 (o) + 3*8192*3584 (MLP) = 106,971,136, x 80 = 8,557,690,880
+    verifier = 1_050_673_152 + 131_334_144 + 8192 + 8_557_690_880
+    # draft (1B: 16 layers, hidden 2048, 32 heads / 8 KV heads of 64, MLP 8192, tied lm_head still written):
+    # 128256*2048 + 16032*2048 + 2048 + 16 * (2*2048 + (256 + 128)*2048 + 2048*256 + 3*2048*1024)
+    draft = 262_668_288 + 32_833_536 + 2048 + 16 * 7_606_272
+    assert p["weights_bytes"] == 2 * (verifier + draft)
+    # KV: 2*80*8 = 1280 units; round(0.08*1280) = 102 FP8 (128 + 2 bytes a token, group 128) and 1178 INT4 (64 + 2)
+    # = 91,008 bytes a token for the model, 1/8 of it per rank; the bf16 draft cache: 2*16*1 units of 64 x 2 bytes
+    assert p["kv_bytes_per_token"] == 91_008 / 8 == 11_376
+    assert p["draft_kv_bytes_per_token"] == 2 * 16 * 64 * 2 == 4096
+    # 64 sequences x ceil((16384 + 6) / 64) = 257 pages, + 1, of 64 tokens
+    assert p["cache_tokens"] == (64 * 257 + 1) * 64 == 1_052_736
+    assert p["kv_bytes"] == 1_052_736 * (11_376 + 4096)
+    assert p["fits"] and p["tp"] == 8
+    # batch 1 at 16384 tokens reads the verifier shard and one sequence's KV: 4.8e12 / (2*verifier + 16384*11376)
+    assert p["projected_decode_tokens_per_s"]["batch_1_at_max_seq_len"] == pytest.approx(
+        4.8e12 / (2 * verifier + 16384 * 11376))
+
+
+def test_small_config_by_hand():
+    small = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 4096, "head_dim": 64, "dtype": "float32",
+             "qkv_bias": True, "o_bias": False, "mlp_bias": False}
+    r = Recipe.model_validate({"name": "s", "models": {"verifier": {"path": "v"}, "draft": {"path": "d"}},
+                               "limits": {"max_batch_size": 2, "max_input_len": 100, "max_seq_len": 128},
+                               "kv_cache": {"format": "fp8", "group_size": 64, "page_size": 16},
+                               "speculative": {"tree": "chain", "length": 3}})
+    p = plan(r, small, None, DEVICES["h100"], tp=2)
+    # tp 2: 2 query heads and 1 KV head of 64 per rank; per layer 2*256 + (128 + 128)*256 + 256 (qkv bias) +
+    # 256*128 + 3*256*256 = 295,680; embedding 4096*256; lm_head 2048*256; ln_f 256; fp32
+    assert p["weights_bytes"] == 4 * (4096 * 256 + 4 * 295_680 + 256 + 2048 * 256)
+    # fp8: 2*4*2 = 16 units, (64 + 2) bytes a token each, half of them on this rank
+    assert p["kv_bytes_per_token"] == 8 * 66
+    # 2 sequences x ceil((128 + 4) / 16) = 9 pages, + 1, of 16 tokens; no draft cache (draft=None)
+    assert p["cache_tokens"] == 19 * 16 and p["kv_bytes"] == 19 * 16 * 8 * 66
+
+
+def _recipe_70b() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "recipes" / "70b.yaml").read_text())
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    for d, cfg in (("v", L70), ("d", L1B)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text(json.dumps(cfg))
+    f = tmp_path / "70b.yaml"
+    f.write_text(text.replace("/models/Meta-Llama-3.1-70B-Instruct", str(tmp_path / "v"))
+                 .replace("/models/Llama-3.2-1B-Instruct", str(tmp_path / "d")))
+    return f
+
+
+def test_plan_command(tmp_path):
+    recipe = _write(tmp_path, (REPO / "recipes" / "70b.yaml").read_text())
+    res = CliRunner().invoke(main, ["plan", str(recipe), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["at_recipe_tp"]["tp"] == 8 and out["at_recipe_tp"]["fits"]
+    assert out["smallest_tp_that_fits"]["tp"] < 8
+    # 40 GB cards: not at tp 8 with these limits (the prefill of 64 x 8192 tokens alone is ~43 GB): exit 2
+    res = CliRunner().invoke(main, ["plan", str(recipe), "--memory-gb", "40"])
+    assert res.exit_code == 2 and "does not fit" in res.stderr and "| fits |" in res.stdout
+    # a model path that does not exist is named
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace(str(tmp_path / "d"), str(tmp_path / "nowhere")))
+    res = CliRunner().invoke(main, ["plan", str(bad)])
+    assert res.exit_code == 2 and "nowhere" in res.stderr
