@@ -76,7 +76,7 @@ def study(model, calib, held, group_size):
         "FP8": lambda x, cs, r: fake_quantize(x, "fp8", group_size),
     }
     errs = {n: [] for n in variants}
-    for layer, (q, k, v) in enumerate(capture_qkv(model, calib)):
+    for layer, q, k, v in capture_qkv(model, calib):
         probe = _LayerProbe(model, layer, q, k, v)
         for kv in (0, 1):
             for h in range(c.num_kv_heads):

@@ -23,11 +23,13 @@ Format: docs/KV_FORMAT.md.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import ROTATIONS, KVPlan, fake_quantize
@@ -84,22 +86,29 @@ def n_outlier_units(fraction: float, units: int) -> int:
 
 
 def capture_qkv(verifier: Llama, samples: list[list[int]], batch: int = 8):
-    """Post-RoPE (q, k, v) per layer, each [N, T, heads, D] over all samples (equal lengths)."""
+    """Yields (layer, q, k, v): post-RoPE, each [N, T, heads, D] float32 on the CPU over all samples (equal
+    lengths), one layer at a time. Between layers only the hidden states of the samples are kept ([N, T, hidden]
+    in the model's dtype), so memory holds one layer's q/k/v, not every layer's (80 layers of a 70B model's
+    64 x 512 samples would be ~107 GB)."""
     lens = {len(s) for s in samples}
     if len(lens) != 1 or min(lens) < 2:
         raise UserError(f"calibration samples must be non-empty and of one length >= 2, got lengths {sorted(lens)}",
                         key="calibration.length")
-    per_layer: list[list[tuple]] = [[] for _ in range(verifier.cfg.num_layers)]
+    dev, T = verifier.device, len(samples[0])
+    with torch.inference_mode():
+        batches = [torch.tensor(samples[i:i + batch], dtype=torch.long, device=dev)
+                   for i in range(0, len(samples), batch)]
+        ropes = [verifier.rope(torch.arange(T, device=dev).expand(len(b), T)) for b in batches]
+        hidden = [F.embedding(b, verifier.embed) for b in batches]
+        for layer, blk in enumerate(verifier.layers):
+            parts = []
 
-    def attend(layer, q, k, v):
-        per_layer[layer].append((q.float().cpu(), k.float().cpu(), v.float().cpu()))
-        return causal_attend(q, k, v)
+            def attend(_, q, k, v):
+                parts.append((q.float().cpu(), k.float().cpu(), v.float().cpu()))
+                return causal_attend(q, k, v)
 
-    dev = verifier.device
-    for i in range(0, len(samples), batch):
-        tokens = torch.tensor(samples[i:i + batch], dtype=torch.long, device=dev)
-        verifier.forward(tokens, attend=attend, last_only=True)
-    return [tuple(torch.cat(parts, 0) for parts in zip(*layer)) for layer in per_layer]
+            hidden = [blk(h, cos, sin, layer, attend) for h, (cos, sin) in zip(hidden, ropes)]
+            yield (layer, *(torch.cat(x, 0) for x in zip(*parts)))
 
 
 def key_channel_scale(k: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -167,11 +176,10 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
                         key="kv_cache.rotation")
     center = rotate and cfg.key_centering
     rep = c.num_heads // c.num_kv_heads
-    captured = capture_qkv(verifier, samples)
     units = []  # in global unit id order: (layer * 2 + kv) * KV + head
     kcs = torch.ones(c.num_layers, c.num_kv_heads, c.head_size)
     k_mean = torch.zeros(c.num_layers, c.num_kv_heads, c.head_size) if center else None
-    for layer, (q, k, v) in enumerate(captured):
+    for layer, q, k, v in capture_qkv(verifier, samples):
         probe = _LayerProbe(verifier, layer, q, k, v)
         for kv, name in ((0, "k"), (1, "v")):
             for h in range(c.num_kv_heads):
@@ -304,7 +312,19 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     plan.save(out_dir)
     fp8 = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"]
            if u["precision"] not in ("int4", None)]
+    rss = peak_rss_bytes()
     return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
                       f"{report.get('outlier_precision', 'fp8').upper()}{', rotated' if report.get('rotation') == 'hadamard' else ''} "
-                      f"{' '.join(fp8)}, {report['compression_vs_fp16']:.2f}x vs FP16",
-            "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8}
+                      f"{' '.join(fp8)}, {report['compression_vs_fp16']:.2f}x vs FP16"
+                      + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
+            "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8, "peak_rss_bytes": rss}
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux reports kilobytes, macOS bytes); None elsewhere."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

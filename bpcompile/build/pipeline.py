@@ -252,11 +252,8 @@ def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
     if kv.format == "fp16":
         rep.skip("calibrate", "kv_cache.format is fp16: nothing to calibrate")
         return
-    try:
-        from bpcompile.build.calibrate import calibrate_engine_stage
-    except ImportError as e:  # only while the KV-cache module is not part of this version
-        rep.skip("calibrate", f"not available in this version ({e})")
-        return
+    from bpcompile.build.calibrate import calibrate_engine_stage
+
     rep.run("calibrate", lambda: calibrate_engine_stage(
         stage / "verifier", stage / "tokenizer", kv.model_dump(), loaded.recipe.calibration.model_dump(),
         stage / "kv_plan", calibration_file=loaded.calibration_file))
