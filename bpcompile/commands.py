@@ -11,6 +11,7 @@ from typing import Optional
 
 import click
 
+from bpcompile.core.errors import UserError
 from bpcompile.core.store import engine_version_dir
 
 
@@ -28,7 +29,6 @@ from bpcompile.core.store import engine_version_dir
 @click.option("--json", "as_json", is_flag=True)
 def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, as_json):
     """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
-    from bpcompile.core.errors import UserError
 
     if url:
         from bpcompile.serving.client import generate_remote_cli
@@ -103,7 +103,6 @@ def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Opti
 
     from bpcompile.runtime.generator import Generator, SamplingParams
     from bpcompile.runtime.speculative import TreeSpec, parse_tree_spec
-    from bpcompile.core.errors import UserError
     from bpcompile.runtime.text import chat_prompt
 
     d = Path(engine_dir)

@@ -17,6 +17,8 @@ from typing import Optional
 from bpcompile.build.calibrate import n_outlier_units
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import PRECISIONS
+from bpcompile.runtime.paged_kv import cache_pages, pages_per_sequence
+from bpcompile.runtime.speculative import TreeSpec
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -40,14 +42,14 @@ USABLE = 0.9  # of device memory: the CUDA context, the allocator's fragmentatio
 def tree_tokens(recipe) -> int:
     """Tokens one verifier step writes per sequence: the true token plus the draft tokens of the tree."""
     s = recipe.speculative
-    return 1 + {"none": 0, "chain": s.length, "static": len(s.choices or []), "dynamic": s.nodes}[s.tree]
+    return TreeSpec(s.tree, length=s.length, choices=s.choices, nodes=s.nodes).draft_tokens + 1
 
 
 def cache_tokens(recipe) -> int:
     """Token slots the runtime allocates per cache: max_batch_size sequences of max_seq_len + one tree, in
     whole pages, plus the padding page."""
     lim, page = recipe.limits, recipe.kv_cache.page_size
-    return (lim.max_batch_size * -(-(lim.max_seq_len + tree_tokens(recipe)) // page) + 1) * page
+    return cache_pages(lim.max_batch_size, lim.max_seq_len, tree_tokens(recipe), page) * page
 
 
 def kv_heads_per_rank(cfg: dict, tp: int) -> int:
@@ -121,8 +123,8 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
     activations += lim.max_batch_size * tree_tokens(recipe) * -(-verifier["vocab_size"] // tp) * 4
     total = weights + kv + activations
     usable = device.memory * USABLE
-    per_seq = -(-(lim.max_seq_len + tree_tokens(recipe)) // recipe.kv_cache.page_size) * recipe.kv_cache.page_size \
-        * (kv_token + draft_token)
+    per_seq = pages_per_sequence(lim.max_seq_len, tree_tokens(recipe), recipe.kv_cache.page_size) \
+        * recipe.kv_cache.page_size * (kv_token + draft_token)
     room = usable - weights - activations
     fits_seqs = max(0, int(room // per_seq)) if per_seq else 0
 

@@ -23,7 +23,8 @@ from bpcompile.core.engine import EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import Llama
-from bpcompile.runtime.paged_kv import DenseKV, KVStoreFactory, PagedKV, float_store_factory, kernels_for
+from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, cache_pages, float_store_factory,
+                                        kernels_for)
 from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
@@ -60,8 +61,7 @@ class Generator:
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
         self.max_input_len = max_input_len or max_seq_len - 1
         self.g_max = self.tree.draft_tokens + 1
-        per_seq = -(-(max_seq_len + self.g_max) // page_size)
-        self.num_pages = num_pages or max_batch_size * per_seq + 1
+        self.num_pages = num_pages or cache_pages(max_batch_size, max_seq_len, self.g_max, page_size)
 
         def executor(model: Llama, factory: Optional[KVStoreFactory]) -> Executor:
             store = (factory or float_store_factory(model.dtype))(model.cfg, self.num_pages, page_size,

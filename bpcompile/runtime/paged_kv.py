@@ -25,6 +25,16 @@ from bpcompile.runtime.model import ModelConfig
 KVStoreFactory = Callable[[ModelConfig, int, int, str], KVStore]  # (model cfg, num_pages, page_size, device)
 
 
+def pages_per_sequence(max_seq_len: int, lookahead: int, page_size: int) -> int:
+    """Pages one sequence may hold: max_seq_len committed tokens plus one step's tree (lookahead entries)."""
+    return -(-(max_seq_len + lookahead) // page_size)
+
+
+def cache_pages(max_batch_size: int, max_seq_len: int, lookahead: int, page_size: int) -> int:
+    """Pages a cache is allocated: every sequence of a full batch at its longest, plus page 0 (padding writes)."""
+    return max_batch_size * pages_per_sequence(max_seq_len, lookahead, page_size) + 1
+
+
 def float_store_factory(dtype: torch.dtype) -> KVStoreFactory:
     """Unquantized pages in `dtype` (the model's own, or FP16 for `kv_cache.format: fp16`)."""
     def make(cfg: ModelConfig, num_pages: int, page_size: int, device) -> KVStore:
