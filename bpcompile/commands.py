@@ -29,7 +29,6 @@ from bpcompile.core.store import engine_version_dir
 @click.option("--json", "as_json", is_flag=True)
 def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, as_json):
     """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
-
     if url:
         from bpcompile.serving.client import generate_remote_cli
 
