@@ -30,6 +30,8 @@ from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
 
+EXECUTORS = ("torch", "onnxruntime")
+
 __all__ = ["Generator", "SamplingParams", "StepOutput", "RequestStats", "TreeSpec"]
 
 
@@ -42,12 +44,19 @@ class Generator:
                  max_seq_len: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
                  kv_store_factory: Optional[KVStoreFactory] = None, device: str = "cpu",
                  draft_kv_store_factory: Optional[KVStoreFactory] = None, max_input_len: Optional[int] = None,
-                 dense_kv: bool = True, backoff: bool = True):
+                 dense_kv: bool = True, backoff: bool = True, executor: str = "torch",
+                 graphs: Optional[str | Path] = None):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
         plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
         max_input_len: longest prompt accepted (default max_seq_len - 1). dense_kv: where the kernels do not run,
         attend over a per-sequence DenseKV copy of the cache (False: gather from the store every time).
-        backoff: draft less or not at all while speculation does not pay (speculative.BackOff)."""
+        backoff: draft less or not at all while speculation does not pay (speculative.BackOff).
+        executor: "torch" (the models' modules) or "onnxruntime" (their exported step graphs, found in
+        graphs/verifier and graphs/draft; bpcompile/build/onnx_export.py)."""
+        if executor not in EXECUTORS:
+            raise UserError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}", key="executor")
+        if executor == "onnxruntime" and graphs is None:
+            raise UserError("the onnxruntime executor needs the exported graphs' directory", key="executor")
         self.device = torch.device(device)
         self.tree = tree or TreeSpec("none")
         if self.tree.kind != "none" and draft is None:
@@ -63,15 +72,19 @@ class Generator:
         self.g_max = self.tree.draft_tokens + 1
         self.num_pages = num_pages or cache_pages(max_batch_size, max_seq_len, self.g_max, page_size)
 
-        def executor(model: Llama, factory: Optional[KVStoreFactory]) -> Executor:
+        def make(model: Llama, factory: Optional[KVStoreFactory], role: str) -> Executor:
             store = (factory or float_store_factory(model.dtype))(model.cfg, self.num_pages, page_size,
                                                                  str(self.device))
+            if executor == "onnxruntime":
+                from bpcompile.runtime.onnx_executor import OnnxExecutor
+
+                return OnnxExecutor(model, PagedKV(store, self.device), self.device, self.g_max, Path(graphs) / role)
             dense = DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device) \
                 if dense_kv and kernels_for(store, self.device) is None else None
             return Executor(model, PagedKV(store, self.device, dense), self.device, self.g_max)
 
-        self.v_exec = executor(self.verifier, kv_store_factory)
-        self.d_exec = executor(self.draft, draft_kv_store_factory) if self.draft is not None else None
+        self.v_exec = make(self.verifier, kv_store_factory, "verifier")
+        self.d_exec = make(self.draft, draft_kv_store_factory, "draft") if self.draft is not None else None
         self.vkv = self.v_exec.kv
         self.dkv = self.d_exec.kv if self.d_exec is not None else None
         self.scheduler = Scheduler(max_batch_size, self.vkv.capacity)

@@ -101,6 +101,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalize in float32, cast back, then scale (torch's fused op, same values)."""
+    if torch.jit.is_tracing():  # ONNX export: the same arithmetic in ops every opset has
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -240,15 +243,19 @@ class Llama(torch.nn.Module):
         need = self.cfg.max_position_embeddings
         if positions.device.type == "cpu" and positions.numel():
             need = max(need, int(positions.max()) + 1)  # a cheap host read: positions past the config still work
-        if self._rope is None or self._rope[0].shape[0] < need:
-            n = torch.arange(need, device=self.device, dtype=torch.float32)
-            freqs = n[:, None] * rope_inv_freq(self.cfg).to(self.device)
+        cos, sin = self.rope_tables(need)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables [>= n, D] (sin sign-folded), grown when a longer one is needed."""
+        if self._rope is None or self._rope[0].shape[0] < n:
+            pos = torch.arange(n, device=self.device, dtype=torch.float32)
+            freqs = pos[:, None] * rope_inv_freq(self.cfg).to(self.device)
             half = freqs.shape[-1]
             emb = torch.cat((freqs, freqs), dim=-1)
-            sign = torch.cat((-torch.ones(half, device=n.device), torch.ones(half, device=n.device)))
+            sign = torch.cat((-torch.ones(half, device=pos.device), torch.ones(half, device=pos.device)))
             self._rope = (emb.cos().to(self.dtype), (emb.sin() * sign).to(self.dtype))
-        cos, sin = self._rope
-        return cos[positions][:, :, None], sin[positions][:, :, None]
+        return self._rope
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,

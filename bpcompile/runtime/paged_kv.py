@@ -275,16 +275,18 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
     return out.transpose(1, 2)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Optional[torch.Tensor],
+                    scale: Optional[float] = None) -> torch.Tensor:
     """q [B, T, H, D] over k, v [B, KV, N, D] (GQA: query head h reads KV head h // (H/KV)) -> [B, T, H, D].
 
     hidden: [B, 1, T * H/KV, N] bool, True where a query must not see a key (rows t * H/KV + r), or None when
-    every query sees every key. Plain matmul-softmax: at decode lengths (a few query rows, N in the hundreds)
-    SDPA's setup costs more than the arithmetic."""
+    every query sees every key; scale: of the scores (default D^-0.5). Plain matmul-softmax: at decode lengths
+    (a few query rows, N in the hundreds) SDPA's setup costs more than the arithmetic."""
     B, T, H, D = q.shape
     KV = k.shape[1]
     rep = H // KV
-    qh = (q * D ** -0.5).view(B, T, KV, rep, D).transpose(1, 2).reshape(B, KV, T * rep, D)
+    scale = D ** -0.5 if scale is None else scale
+    qh = (q * scale).view(B, T, KV, rep, D).transpose(1, 2).reshape(B, KV, T * rep, D)
     s = qh @ k.transpose(-1, -2)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
