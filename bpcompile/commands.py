@@ -26,8 +26,11 @@ from bpcompile.core.store import engine_version_dir
 @click.option("--url", default=None, help="Generate from a running server instead (host:port of its gRPC endpoint).")
 @click.option("--chat/--raw", default=True, show_default=True,
               help="Wrap the prompt in the engine tokenizer's chat template as a user turn (where it has one).")
+@click.option("--executor", type=click.Choice(["torch", "onnxruntime"]), default=None,
+              help="What runs the models (default: the engine's runtime.executor); onnxruntime runs the version's "
+                   "exported step graphs (built with runtime.onnx: true).")
 @click.option("--json", "as_json", is_flag=True)
-def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, as_json):
+def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, executor, as_json):
     """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
     if url:
         from bpcompile.serving.client import generate_remote_cli
@@ -38,7 +41,7 @@ def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed
         raise UserError("give an ENGINE (a version directory such as engines/tiny/1) or --url of a running server")
 
     generate_text(engine_version_dir(engine), prompt, max_tokens=max_tokens, tree=tree, no_speculation=no_speculation,
-                 temperature=temperature, seed=seed, json_out=as_json, chat=chat)
+                 temperature=temperature, seed=seed, json_out=as_json, chat=chat, executor=executor)
 
 
 def _lengths(ctx, param, value):
@@ -95,7 +98,7 @@ except ImportError:  # pragma: no cover - only while the serving package is abse
 
 def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optional[str] = None,
                  no_speculation: bool = False, temperature: float = 0.0, seed: Optional[int] = None,
-                 json_out: bool = False, chat: bool = True) -> dict:
+                 json_out: bool = False, chat: bool = True, executor: Optional[str] = None) -> dict:
     """`bpcompile generate`: stream tokens to stdout as they come, statistics at the end."""
     from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream
@@ -116,7 +119,7 @@ def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Opti
         eos = eos.get("content") if isinstance(eos, dict) else eos
         end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
-    gen = Generator.from_engine(d, tree=spec)
+    gen = Generator.from_engine(d, tree=spec, executor=executor)
     templated = chat_prompt(d / "tokenizer", prompt_text) if chat else None
     ids = tok.encode(templated if templated is not None else prompt_text).ids
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, end_id=end_id)
@@ -132,6 +135,7 @@ def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Opti
     (out, stats), = gen.generate([ids], params, on_token=None if json_out else stream)
     wall = time.perf_counter() - t0
     result = {"tree": gen.tree.kind if gen.draft is not None else "none", "prompt_tokens": len(ids),
+              "executor": gen.executor,
               "chat_template": templated is not None,
               "tokens": out, "text": tok.decode(out), "tokens_per_s": len(out) / wall if wall > 0 else None,
               "wall_s": wall, "tau": stats.tau, "verifier_steps": stats.verifier_steps,

@@ -171,6 +171,7 @@ def export_model(model: Llama, store, out_dir: Path, max_positions: int) -> dict
         path = out_dir / f"{kind}.onnx"
         onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=f"{kind}.weights", size_threshold=1024)
+        (out_dir / f"{kind}.weights").chmod(0o644)  # onnx creates it owner-only; the version is read by servers
         files[kind] = path.name
     return files
 
@@ -185,3 +186,26 @@ def export_generator(gen, out_dir: str | Path) -> dict:
     if gen.d_exec is not None:
         roles["draft"] = gen.d_exec
     return {role: export_model(ex.model, ex.kv.store, out_dir / role, max_positions) for role, ex in roles.items()}
+
+
+def export_engine(engine_dir: str | Path) -> dict:
+    """export_generator for the Generator an engine version makes (its limits, KV plan, tree), into
+    engine_dir/onnx; each graph checked by onnx.checker with full shape inference."""
+    import onnx
+
+    from bpcompile.runtime.generator import Generator
+
+    d = Path(engine_dir)
+    gen = Generator.from_engine(d, executor="torch")
+    files = export_generator(gen, d / "onnx")
+    nodes, size = {}, 0
+    for role, graphs in files.items():
+        for kind, name in graphs.items():
+            path = d / "onnx" / role / name
+            onnx.checker.check_model(str(path), full_check=True)
+            m = onnx.load(str(path), load_external_data=False)
+            custom = sorted({n.op_type for n in m.graph.node if n.domain == ops.DOMAIN})
+            nodes[f"{role}/{kind}"] = custom
+            size += sum(f.stat().st_size for f in path.parent.glob(f"{kind}.*"))
+    return {"detail": f"{sum(len(g) for g in files.values())} graphs, {size / 1e6:.1f} MB, custom ops "
+                      f"{sorted({o for v in nodes.values() for o in v})}", "graphs": nodes}

@@ -198,6 +198,9 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
     if r.target == "tensorrt-llm":  # fail before hours of conversion, not after
         from bpcompile.build.trtllm import require_trtllm
         require_trtllm()
+    if r.target == "tensorrt":
+        from bpcompile.build.tensorrt import require_tensorrt
+        require_tensorrt(r)
 
     from bpcompile.build.convert import convert_checkpoint
 
@@ -220,6 +223,7 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         fault_point("calibrate")
         _calibrate_stage(loaded, stage, rep)
         _kernels_stage(loaded, stage, rep)
+        _onnx_stage(loaded, stage, rep)
         _target_stage(loaded, stage, rep)
 
         manifest = {
@@ -279,6 +283,14 @@ def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
         rep.skip("tensorrt plugin", res["reason"])
     else:
         rep.stages.append(StageRecord("tensorrt plugin", "ran", res.get("seconds", 0.0), res.get("detail", "")))
+
+
+def _onnx_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
+    if not (loaded.recipe.runtime.wants_onnx or loaded.recipe.target == "tensorrt"):
+        return
+    from bpcompile.build.onnx_export import export_engine
+
+    rep.run("export onnx", lambda: export_engine(stage))
 
 
 def _target_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from bpcompile.core.errors import UserError
 
 ENGINE_FILE = "engine.json"
-TARGETS = ("native", "tensorrt-llm")
+TARGETS = ("native", "tensorrt", "tensorrt-llm")
+EXECUTORS = ("torch", "onnxruntime")
 
 
 class _Strict(BaseModel):
@@ -93,6 +94,17 @@ class Triton(_Strict):
         return v
 
 
+class Runtime(_Strict):
+    executor: Literal[EXECUTORS] = Field(
+        "torch", description="what runs the models: torch (their modules) or onnxruntime (the exported step "
+                             "graphs with the KV-cache and attention custom ops; implies onnx)")
+    onnx: bool = Field(False, description="export each model's step graphs into the version (onnx/)")
+
+    @property
+    def wants_onnx(self) -> bool:
+        return self.onnx or self.executor == "onnxruntime"
+
+
 class EngineConfig(_Strict):
     """The resolved engine-facing sections of the recipe a version was built from (the recipe adds the
     build's own sections: models, calibration, output, kernels)."""
@@ -104,6 +116,7 @@ class EngineConfig(_Strict):
     kv_cache: KVCache = KVCache()
     speculative: Speculative = Speculative()
     triton: Triton = Triton()
+    runtime: Runtime = Runtime()
 
     @classmethod
     def from_sections(cls, sections: dict) -> "EngineConfig":

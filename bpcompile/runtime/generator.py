@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from bpcompile.core.engine import EngineConfig
+from bpcompile.core.engine import EXECUTORS, EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import Llama
@@ -29,8 +29,6 @@ from bpcompile.runtime.request import Request, RequestStats, SamplingParams, Ste
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
-
-EXECUTORS = ("torch", "onnxruntime")
 
 __all__ = ["Generator", "SamplingParams", "StepOutput", "RequestStats", "TreeSpec"]
 
@@ -58,6 +56,7 @@ class Generator:
         if executor == "onnxruntime" and graphs is None:
             raise UserError("the onnxruntime executor needs the exported graphs' directory", key="executor")
         self.device = torch.device(device)
+        self.executor = executor
         self.tree = tree or TreeSpec("none")
         if self.tree.kind != "none" and draft is None:
             raise UserError(f"tree speculation ({self.tree.kind}) needs a draft model")
@@ -96,10 +95,12 @@ class Generator:
     @classmethod
     def from_engine(cls, engine_dir, *, tree: Optional[TreeSpec] = None, device: str = "cpu",
                     kv_store_factory: Optional[KVStoreFactory] = None,
-                    draft_kv_store_factory: Optional[KVStoreFactory] = None) -> "Generator":
+                    draft_kv_store_factory: Optional[KVStoreFactory] = None,
+                    executor: Optional[str] = None) -> "Generator":
         """Load engine_dir/verifier, engine_dir/draft (converted checkpoints), the engine config
-        (engine.json: speculative tree, limits, KV page size and format) and, unless a factory is given, the
-        verifier's KV plan in engine_dir/kv_plan (float cache without one)."""
+        (engine.json: speculative tree, limits, KV page size and format, executor) and, unless a factory is
+        given, the verifier's KV plan in engine_dir/kv_plan (float cache without one). executor overrides the
+        engine's runtime.executor; onnxruntime runs the graphs in engine_dir/onnx."""
         d = Path(engine_dir)
         if not (d / "verifier" / "config.json").is_file():
             raise UserError(f"{d}: no converted verifier checkpoint (expected {d / 'verifier' / 'config.json'})")
@@ -120,10 +121,14 @@ class Generator:
             kv_store_factory = float_store_factory(torch.float16)  # an FP16 cache whatever the model's dtype
         verifier = Llama.from_checkpoint(d / "verifier")
         draft = Llama.from_checkpoint(d / "draft") if tree.kind != "none" else None
+        executor = executor or cfg.runtime.executor
+        if executor == "onnxruntime" and not (d / "onnx" / "verifier" / "step.onnx").is_file():
+            raise UserError(f"{d}: no exported graphs for the onnxruntime executor (expected {d / 'onnx'}); "
+                            "rebuild with runtime.onnx: true", key="executor")
         return cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                    page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
                    draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
-                   backoff=spec.backoff)
+                   backoff=spec.backoff, executor=executor, graphs=d / "onnx")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None) -> str:
         p, V = params, self.verifier.cfg.vocab_size
