@@ -267,7 +267,7 @@ def _write_kernels_header(out_dir: Path, specs: list[dict], model: dict, gqa: in
     lines += [f"#define {k} {v}" for k, v in const.items()]
     # The KV pools as the store lays them out (runtime/kvcache.py's precision registry): a payload and an fp16
     # scale pool per unit precision, then how to pass them (pointers, then each precision's unit count).
-    trt = {torch.uint8: "kINT8", torch.int8: "kINT8", torch.float16: "kHALF"}
+    trt = {torch.uint8: "kUINT8", torch.int8: "kINT8", torch.float16: "kHALF"}  # the ONNX graphs' pool types
     pools = [t for prec in PRECISIONS for t in (trt[prec.payload_dtype], "kHALF")]
     lines += [f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in PRECISIONS)} */",
               f"#define BP_NUM_KV_POOLS {len(pools)}",
@@ -276,6 +276,10 @@ def _write_kernels_header(out_dir: Path, specs: list[dict], model: dict, gqa: in
                   [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(PRECISIONS))])]
     suffix = f"_{model['dtype']}"
     lines += [f"#define {s['name'][:-len(suffix)]}_launch {s['name']}_launch" for s in specs]
+    # every module loaded up front (the plugins call this outside enqueue, so capture never sees a module load)
+    lines += ["static inline CUresult bp_load_kernels(void) {", "  CUresult r = CUDA_SUCCESS;"]
+    lines += [f"  if ((r = {s['name']}_load()) != CUDA_SUCCESS) return r;" for s in specs]
+    lines += ["  return r;", "}"]
     (out_dir / "bp_kernels.h").write_text("\n".join(lines) + "\n")
 
 

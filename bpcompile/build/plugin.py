@@ -35,8 +35,8 @@ def build_trt_plugin(kernels_dir: Path, out_dir: Path, *, required: bool = False
 
     Where TensorRT (or CMake, or the plugin sources, or compiled kernels) is missing, returns a "skipped"
     record with the reason, or raises MissingDependency when `required`. Never reports a library it did
-    not build. Load the result before building or deserializing engines (ctypes.CDLL(path, RTLD_GLOBAL)),
-    or LD_PRELOAD it for tritonserver's tensorrtllm backend."""
+    not build. Load the result before building or deserializing engines: IPluginRegistry::loadLibrary /
+    trtexec --dynamicPlugins, or ctypes.CDLL(path, RTLD_GLOBAL) then initBpcompilePlugins."""
     kernels_dir, out_dir = Path(kernels_dir), Path(out_dir)
 
     def skip(reason: str) -> dict:
@@ -73,7 +73,7 @@ def build_trt_plugin(kernels_dir: Path, out_dir: Path, *, required: bool = False
     record = {"status": "built", "library": lib.name, "sha256": hashlib.sha256(lib.read_bytes()).hexdigest(), "tensorrt_include": str(trt[0]),
               "tensorrt_library": str(trt[1]), "namespace": "bpcompile",
               "plugins": ["BpQuantizeAppend", "BpPagedTreeAttention"],
-              "load": "ctypes.CDLL(path, RTLD_GLOBAL) before engine build and deserialization; "
-                      "LD_PRELOAD=path for tritonserver (tensorrtllm backend)"}
+              "load": "IPluginRegistry::loadLibrary(path) or trtexec --dynamicPlugins=path; from Python "
+                      "ctypes.CDLL(path, RTLD_GLOBAL).initBpcompilePlugins(None, b'bpcompile')"}
     (out_dir / "plugin.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return {"detail": f"built {lib.name} against {trt[1]}", **record}

@@ -6,8 +6,6 @@ build refuses before doing any work, naming the commands that do the job on a ma
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from bpcompile.core.errors import MissingDependency
 from bpcompile.runtime import plugin_ops as ops
 
@@ -21,19 +19,6 @@ def tensorrt_version() -> str | None:
         return None
     v = getattr(tensorrt, "__version__", None)
     return v if isinstance(v, str) and v[:1].isdigit() else None  # a placeholder package has no real version
-
-
-def trtexec_commands(version_dir: str | Path) -> list[str]:
-    """The trtexec lines that build each exported graph into an engine with the plugin library (what the
-    tensorrt target runs through TensorRT's Python builder)."""
-    v = Path(version_dir)
-    lib = v / "trt_plugin" / PLUGIN_LIB
-    out = []
-    for role in ("verifier", "draft"):
-        for kind in ("prefill", "step"):
-            out.append(f"trtexec --onnx={v / 'onnx' / role / f'{kind}.onnx'} --dynamicPlugins={lib} "
-                       f"--saveEngine={v / 'tensorrt' / role / f'{kind}.plan'} --fp16")
-    return out
 
 
 def require_tensorrt(recipe) -> str:
@@ -56,5 +41,5 @@ def require_tensorrt(recipe) -> str:
             "`target: native` and `runtime: {onnx: true}` (the step graphs with the plugin nodes, run here by "
             "`bpcompile generate --executor onnxruntime`), then on a TensorRT machine, per graph: "
             "trtexec --onnx=<version>/onnx/verifier/step.onnx --dynamicPlugins=<version>/trt_plugin/"
-            f"{PLUGIN_LIB} --saveEngine=verifier_step.plan --fp16", key="target")
+            f"{PLUGIN_LIB} --saveEngine=verifier_step.plan --fp16 --preview=+aliasedPluginIO1003", key="target")
     return v

@@ -8,14 +8,16 @@
 // directory; bp_kernels.h (generated there) maps the generic names used below onto the specialization the
 // engine was compiled for (head size, group size, page size, GQA ratio, activation dtype).
 //
-// The KV pools are engine inputs (the runtime owns and binds them, as TensorRT-LLM binds its KV pool):
-// payload pools as INT8 tensors [P, U, S, bytes], scales as HALF [P, U, S, D/G], plus the static unit
-// tables. Quantize-append writes into them in place; its 1-element output only orders it before attention.
+// The node contract (op type = creator name, attributes = the creator's fields, input order) is the ONNX
+// step graphs' (bpcompile/runtime/plugin_ops.py; a test compares the two). The KV pools are engine inputs (the
+// runtime owns and binds them, as TensorRT-LLM binds its KV pool): payload pools as UINT8/INT8 tensors
+// [P, U, S, bytes], scales as HALF [P, U, S, D/G], plus the static unit tables. Quantize-append's outputs are
+// the pools, aliased to its pool inputs (IPluginV3OneBuildV2::getAliasedInput; build with the preview feature
+// kALIASED_PLUGIN_IO_10_03): an in-place update that also orders it before the attention reading them.
 //
-// Loading: the library registers both creators when it is loaded (static registrar below), so
-// `ctypes.CDLL(lib, RTLD_GLOBAL)` before building or deserializing an engine, or LD_PRELOAD for
-// tritonserver's tensorrtllm backend, is enough; `getCreators` serves IPluginRegistry::loadLibrary and
-// trtexec --dynamicPlugins. See docs/KERNELS.md.
+// Loading: `getCreators` serves IPluginRegistry::loadLibrary and trtexec --dynamicPlugins; ctypes callers call
+// initBpcompilePlugins once. Nothing registers at load time (a creator registered twice makes loadLibrary
+// fail). Activations are fp16 or bf16 (the launchers' dtype); fp32 finds no format combination.
 #include "NvInfer.h"
 #include "bp_kernels.h"
 
@@ -45,6 +47,7 @@ DataType const kPOOL_TYPES[kNUM_POOLS]
 // The KV pools as kernel arguments (p: the first pool input, in: the input descriptors): BP_KV_POOL_ARGS
 // expands these for every pool pointer, then every precision's unit count.
 #define BP_POOL_PTR(i) ptr(p[i])
+#define BP_OUT_PTR(i) ptr(o[i])
 #define BP_POOL_UNITS(i) units(in, kFIRST_POOL, i)
 
 DataType activationType()
@@ -55,6 +58,29 @@ DataType activationType()
 CUdeviceptr ptr(void const* p)
 {
     return reinterpret_cast<CUdeviceptr>(p);
+}
+
+size_t elementSize(DataType t)
+{
+    switch (t)
+    {
+    case DataType::kINT8:
+    case DataType::kUINT8:
+    case DataType::kBOOL:
+    case DataType::kFP8: return 1;
+    case DataType::kHALF:
+    case DataType::kBF16: return 2;
+    case DataType::kINT64: return 8;
+    default: return 4;
+    }
+}
+
+size_t bytes(PluginTensorDesc const& d)
+{
+    size_t n = elementSize(d.type);
+    for (int32_t i = 0; i < d.dims.nbDims; ++i)
+        n *= static_cast<size_t>(d.dims.d[i]);
+    return n;
 }
 
 // Plugin attributes: a small name -> int32/float table that serializes as a PluginFieldCollection.
@@ -127,7 +153,7 @@ std::vector<std::string> const kATTN_FIELDS
     = {"layer", "num_kv_heads", "head_size", "page_size", "group_size", "num_splits"};
 
 // Shared IPluginV3 boilerplate: capabilities, names, serialization of the fields.
-class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuild, public IPluginV3OneRuntime
+class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuildV2, public IPluginV3OneRuntime
 {
 public:
     explicit PluginBase(Fields f) : mF(std::move(f)) {}
@@ -137,22 +163,22 @@ public:
         switch (type)
         {
         case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
+        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
         case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
         }
         return nullptr;
     }
     char const* getPluginVersion() const noexcept override { return kVERSION; }
     char const* getPluginNamespace() const noexcept override { return kNAMESPACE; }
-    int32_t getNbOutputs() const noexcept override { return 1; }
     int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t, DynamicPluginTensorDesc const*,
         int32_t) noexcept override
     {
         return 0;
     }
+    // The kernels' modules are loaded here, before the first enqueue (which may be under CUDA graph capture).
     int32_t onShapeChange(PluginTensorDesc const*, int32_t, PluginTensorDesc const*, int32_t) noexcept override
     {
-        return 0;
+        return bp_load_kernels() == CUDA_SUCCESS ? 0 : -1;
     }
     IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
     PluginFieldCollection const* getFieldsToSerialize() noexcept override { return mF.collection(); }
@@ -165,18 +191,19 @@ public:
         return d.format == TensorFormat::kLINEAR && typeOk(pos, d, nbInputs);
     }
     int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out,
-        int32_t, IExprBuilder& b) noexcept override
+        int32_t nbOutputs, IExprBuilder&) noexcept override
     {
-        if (nbInputs != expectedInputs())
+        if (nbInputs != expectedInputs() || nbOutputs != getNbOutputs())
             return -1;
-        outputShape(in, out[0], b);
+        for (int32_t i = 0; i < nbOutputs; ++i)
+            out[i] = in[shapeSource(i)];
         return 0;
     }
 
 protected:
     virtual int32_t expectedInputs() const noexcept = 0;
     virtual bool typeOk(int32_t pos, PluginTensorDesc const& d, int32_t nbInputs) const noexcept = 0;
-    virtual void outputShape(DimsExprs const* in, DimsExprs& out, IExprBuilder& b) const noexcept = 0;
+    virtual int32_t shapeSource(int32_t output) const noexcept = 0; // the input whose shape output i has
 
     // inOut[pos] is one of the pool inputs starting at `first`: its fixed type, linear format.
     static bool poolOk(int32_t pos, int32_t first, PluginTensorDesc const& d)
@@ -191,8 +218,9 @@ protected:
 };
 
 // ---------------------------------------------------------------------------------------------------
-// BpQuantizeAppend. Inputs: k [N, KV, D], v [N, KV, D] (fp16/bf16), slots [N] int64, pools (9) + int4_clip
-// [L, 2, KV] float. Output: done [1] int32 (zero; orders the append before attention reads the cache).
+// BpQuantizeAppend. Inputs: k [N, KV, D], v [N, KV, D] (fp16/bf16), slots [N] int64, the KV pools, unit_precision
+// [L, 2, KV] int8, unit_index [L, 2, KV] int32, k_channel_scale [L, KV, D] float, int4_clip [L, 2, KV] float.
+// Outputs: the KV pools with these tokens written, each aliased to its input.
 
 class QuantizeAppendPlugin : public PluginBase
 {
@@ -204,17 +232,16 @@ public:
     IPluginV3* clone() noexcept override { return new QuantizeAppendPlugin(mF); }
     char const* getPluginName() const noexcept override { return "BpQuantizeAppend"; }
 
-    int32_t getOutputDataTypes(DataType* out, int32_t, DataType const*, int32_t) const noexcept override
+    int32_t getNbOutputs() const noexcept override { return BP_NUM_KV_POOLS; }
+    int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const*, int32_t) const noexcept override
     {
-        out[0] = DataType::kINT32;
+        for (int32_t i = 0; i < nbOutputs; ++i)
+            out[i] = kPOOL_TYPES[i];
         return 0;
     }
+    int32_t getAliasedInput(int32_t output) noexcept override { return kFIRST_POOL + output; }
     int32_t expectedInputs() const noexcept override { return kNB_INPUTS; }
-    void outputShape(DimsExprs const*, DimsExprs& out, IExprBuilder& b) const noexcept override
-    {
-        out.nbDims = 1;
-        out.d[0] = b.constant(1);
-    }
+    int32_t shapeSource(int32_t output) const noexcept override { return kFIRST_POOL + output; }
     bool typeOk(int32_t pos, PluginTensorDesc const& d, int32_t nbInputs) const noexcept override
     {
         if (pos < 2)
@@ -225,7 +252,7 @@ public:
             return poolOk(pos, kFIRST_POOL, d);
         if (pos == kFIRST_POOL + kNUM_POOLS)
             return d.type == DataType::kFLOAT; // int4_clip
-        return pos == nbInputs && d.type == DataType::kINT32; // the output
+        return d.type == kPOOL_TYPES[pos - nbInputs]; // the pools, updated
     }
 
     int32_t enqueue(PluginTensorDesc const* in, PluginTensorDesc const* out, void const* const* inputs,
@@ -237,52 +264,57 @@ public:
         int32_t const kvh = mF.get("num_kv_heads");
         int32_t const d = mF.get("head_size");
         void const* const* p = inputs + kFIRST_POOL;
-        if (cudaMemsetAsync(outputs[0], 0, sizeof(int32_t), stream) != cudaSuccess)
-            return -1;
+        // Writes go to the outputs: the pool inputs themselves when TensorRT aliases them, else the copies of
+        // them it made (which then hold the update).
+        for (int32_t i = 0; i < BP_NUM_KV_POOLS; ++i)
+            if (outputs[i] != inputs[kFIRST_POOL + i]
+                && cudaMemcpyAsync(outputs[i], inputs[kFIRST_POOL + i], bytes(out[i]), cudaMemcpyDeviceToDevice,
+                       stream) != cudaSuccess)
+                return -1;
         if (n == 0)
             return 0;
+        void* const* o = outputs;
         CUresult r = bp_quantize_append_launch(reinterpret_cast<CUstream>(stream), (n + BP_QUANT_BLOCK_T - 1) / BP_QUANT_BLOCK_T,
             2 * kvh, 1, ptr(inputs[0]), ptr(inputs[1]), kvh * d, d, kvh * d, d, ptr(inputs[2]), n,
-            BP_KV_POOL_ARGS(BP_POOL_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),
+            BP_KV_POOL_ARGS(BP_OUT_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),
             ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[kFIRST_POOL + kNUM_POOLS]), mF.get("layer"), kvh);
-        (void) out;
         return r == CUDA_SUCCESS ? 0 : -1;
     }
 };
 
 // ---------------------------------------------------------------------------------------------------
 // BpPagedTreeAttention. Inputs: q [B, G, H, D] (fp16/bf16), block_tables [B, max_pages] int32,
-// context_lens [B] int32, tree_mask [B, G, ceil(G/32)] int32, num_tree [B] int32 (tree tokens = query rows),
-// pools (9),
-// append_done [1] int32 (ordering only). Output: [B, G, H, D]. Workspace: split-K partials.
+// context_lens [B] int32, tree_lens [B] int32 (tree-region entries after the context), q_lens [B] int32 (real
+// query rows), tree_mask [B, G, W] int32 (row i, bit j: query i sees tree entry j), the KV pools (as the
+// append left them), unit_precision, unit_index, k_channel_scale. Output: [B, G, H, D]. Workspace: split-K
+// partials.
 
 class PagedTreeAttentionPlugin : public PluginBase
 {
 public:
-    static constexpr int32_t kFIRST_POOL = 5;
-    static constexpr int32_t kNB_INPUTS = kFIRST_POOL + kNUM_POOLS + 1;
+    static constexpr int32_t kFIRST_POOL = 6;
+    static constexpr int32_t kNB_INPUTS = kFIRST_POOL + kNUM_POOLS;
     static constexpr int32_t kMAX_SPLITS = 64;
 
     using PluginBase::PluginBase;
     IPluginV3* clone() noexcept override { return new PagedTreeAttentionPlugin(mF); }
     char const* getPluginName() const noexcept override { return "BpPagedTreeAttention"; }
 
+    int32_t getNbOutputs() const noexcept override { return 1; }
     int32_t getOutputDataTypes(DataType* out, int32_t, DataType const* in, int32_t) const noexcept override
     {
         out[0] = in[0];
         return 0;
     }
     int32_t expectedInputs() const noexcept override { return kNB_INPUTS; }
-    void outputShape(DimsExprs const* in, DimsExprs& out, IExprBuilder&) const noexcept override { out = in[0]; }
+    int32_t shapeSource(int32_t) const noexcept override { return 0; }
     bool typeOk(int32_t pos, PluginTensorDesc const& d, int32_t nbInputs) const noexcept override
     {
         if (pos == 0 || pos == nbInputs) // q and the output
             return d.type == activationType();
         if (pos < kFIRST_POOL)
             return d.type == DataType::kINT32;
-        if (pos < kFIRST_POOL + kNUM_POOLS)
-            return poolOk(pos, kFIRST_POOL, d);
-        return d.type == DataType::kINT32; // append_done
+        return poolOk(pos, kFIRST_POOL, d);
     }
 
     size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t, DynamicPluginTensorDesc const*,
@@ -306,7 +338,7 @@ public:
         if (kvh <= 0 || H != kvh * BP_GQA || D != BP_HEAD_SIZE)
             return -1;
         int32_t const maxPages = static_cast<int32_t>(in[1].dims.d[1]);
-        int32_t const W = (G + 31) / 32;
+        int32_t const W = static_cast<int32_t>(in[5].dims.d[2]); // mask words per row (covers tree_lens)
         int32_t const nrows = B * G * H;
         bool const tree = G * BP_GQA > 16;
         int32_t const mBlocks = (G * BP_GQA + (tree ? 63 : 15)) / (tree ? 64 : 16);
@@ -342,7 +374,7 @@ public:
 #define BP_ATTN_ARGS                                                                                            \
     ptr(inputs[0]), sg, sq, D, ptr(outputs[0]), sg, sq, D, partAcc, partMl, nrows,                            \
         BP_KV_POOL_ARGS(BP_POOL_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),           \
-        ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[1]), maxPages, ptr(inputs[2]), ptr(inputs[3]), ptr(inputs[4]),    \
+        ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[1]), maxPages, ptr(inputs[2]), ptr(inputs[5]), ptr(inputs[3]),    \
         ptr(inputs[4]), mF.get("layer"), kvh, G, W, scaleBits, chunk
         unsigned const gx = static_cast<unsigned>(B * kvh), gy = static_cast<unsigned>(splits);
         unsigned const gz = static_cast<unsigned>(mBlocks);
@@ -395,16 +427,6 @@ Creator<QuantizeAppendPlugin> gQuantizeCreator("BpQuantizeAppend", kQUANT_FIELDS
 Creator<PagedTreeAttentionPlugin> gAttentionCreator("BpPagedTreeAttention", kATTN_FIELDS, true);
 IPluginCreatorInterface* gCreators[] = {&gQuantizeCreator, &gAttentionCreator};
 
-// Registers the creators under "bpcompile" when the library is loaded (dlopen or LD_PRELOAD): nothing in
-// tritonserver's tensorrtllm backend would call an init function.
-struct StaticRegistrar
-{
-    StaticRegistrar()
-    {
-        for (IPluginCreatorInterface* c : gCreators)
-            getPluginRegistry()->registerCreator(*c, kNAMESPACE);
-    }
-} gRegistrar;
 } // namespace
 
 extern "C"
@@ -416,9 +438,15 @@ __attribute__((visibility("default"))) IPluginCreatorInterface* const* getCreato
     return gCreators;
 }
 __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder*) {}
-// TensorRT-LLM style init (ctypes callers): creators are registered at load time already.
+// For ctypes callers that do not go through loadLibrary: registers both creators under "bpcompile", once.
 __attribute__((visibility("default"))) bool initBpcompilePlugins(void*, char const*)
 {
-    return true;
+    static bool const ok = [] {
+        bool all = true;
+        for (IPluginCreatorInterface* c : gCreators)
+            all = getPluginRegistry()->registerCreator(*c, kNAMESPACE) && all;
+        return all;
+    }();
+    return ok;
 }
 }
