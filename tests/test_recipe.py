@@ -48,7 +48,7 @@ def test_shipped_recipes_parse():
     ("speculative: {tree: static}\n", "speculative", "speculative", "needs 'choices'"),
     ("speculative: {tree: static, choices: [[0], [1, 0]]}\n", "speculative", "speculative", "no parent"),
     ("parallel: {tp: 3, pp: 1}\n", "parallel.tp", "parallel", "does not divide"),
-    ("target: tensorrt\n", "target", "target", "native"),
+    ("target: onnx\n", "target", "target", "native"),
 ])
 def test_bad_values_exit_2_naming_key_and_line(tmp_path, pair, extra, key, line_of, expect):
     text = write_recipe(tmp_path / "r.yaml", *pair).read_text()

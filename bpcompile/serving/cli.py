@@ -92,7 +92,10 @@ def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, dev
               "printed). Prefer the environment variable: a command line is visible to other local users.")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds for running streams to finish before tritonserver is stopped.")
-def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout):
+@click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
+              help="Also serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on this "
+                   "port, in front of tritonserver.")
+def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout, openai_port):
     """Serve REPO with tritonserver until SIGINT / SIGTERM.
 
     Exit code 0 after a requested, clean stop; 1 when tritonserver died or did not stop cleanly."""
@@ -100,7 +103,7 @@ def serve(repo, http_port, grpc_port, metrics_port, host, model_control, reposit
 
     code = _serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
                   model_control=model_control, repository_token=repository_token, drain_timeout=drain_timeout,
-                  log=lambda s: click.echo(s, err=True))
+                  log=lambda s: click.echo(s, err=True), openai_port=openai_port)
     sys.exit(code)
 
 

@@ -247,9 +247,10 @@ class ServerProcess:
 
 
 def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1", model_control="none",
-          repository_token=None, drain_timeout=30.0, log=print, log_file=None) -> int:
+          repository_token=None, drain_timeout=30.0, log=print, log_file=None, openai_port=None) -> int:
     """Start tritonserver, wait until the ensemble is ready, print the endpoints, and block until SIGINT or
-    SIGTERM; then drain and stop it (a second signal skips what is left of the drain).
+    SIGTERM; then drain and stop it (a second signal skips what is left of the drain). openai_port: also serve
+    the OpenAI-compatible endpoint there (serving/openai_frontend.py), in this process.
 
     Returns the exit code for a supervisor: 0 when a signal asked for the stop and tritonserver exited
     cleanly; 1 when tritonserver died by itself (any code or signal) or did not stop cleanly."""
@@ -263,13 +264,18 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
     s = ServerProcess(repo_dir, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
                       model_control=model_control, repository_token=repository_token, log_file=log_file)
     signals = []
+    frontend = None
     old = {sig: signal.signal(sig, lambda signum, _frame: signals.append(signum))
            for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         log(f"starting tritonserver (log: {s.log_file})")
         s.start()
         log(f"tritonserver pid {s.proc.pid}, model control {model_control}")
-        for k, v in s.endpoints().items():
+        if openai_port is not None:
+            from bpcompile.serving.openai_frontend import OpenAIFrontend
+
+            frontend = OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port).start()
+        for k, v in {**s.endpoints(), **({"openai": frontend.url} if frontend else {})}.items():
             log(f"{k:8s} {v}")
         if model_control != "none":
             shown = f"${TOKEN_ENV}" if repository_token else s.repository_token
@@ -283,6 +289,8 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
             log(f"tritonserver exited by itself ({describe_exit(code)}); log: {s.log_file}")
             return 1
         log(f"{signal.Signals(signals[0]).name}: draining (up to {drain_timeout:g}s; again to stop now)")
+        if frontend is not None:
+            frontend.accepting = False  # new OpenAI requests get 503 while the running ones finish
         code = s.stop(drain_timeout=drain_timeout, stop_waiting=lambda: len(signals) > 1)
         log(f"tritonserver stopped ({describe_exit(code)})")
         return 0 if code == 0 else 1
@@ -290,3 +298,5 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
         for sig, h in old.items():
             signal.signal(sig, h)
         s.stop(drain_timeout=0)
+        if frontend is not None:
+            frontend.stop()
