@@ -1,9 +1,12 @@
 """The OpenAI-compatible endpoint in front of a real tritonserver, driven by the `openai` package: the same text
 as `bpcompile generate` (greedy) through /v1/completions and /v1/chat/completions, streamed and not; `stop`,
-`usage`, and malformed requests answered 400/404 with the endpoint staying healthy."""
+`usage`, and malformed requests answered 400/404 with the endpoint staying healthy. The server serves a copy of
+the emitted repository whose original is gone and whose engine version has moved: a repository is
+self-contained."""
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.error
 import urllib.request
 
@@ -40,19 +43,28 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(engine, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("triton") / "repo"
-    emit_repository([(1, engine)], repo)
+    """The endpoint over a server of a *copied* repository: emitted in one directory, copied to another, the
+    original removed and the engine version moved away, so any path into either would fail."""
+    first = tmp_path_factory.mktemp("triton") / "repo"
+    emit_repository([(1, engine)], first)
+    repo = tmp_path_factory.mktemp("copied") / "repo"
+    shutil.copytree(first, repo, symlinks=True)
+    shutil.rmtree(first)
+    engine.rename(engine.with_name("moved"))
     s = ServerProcess(repo, log_file=repo.parent / "server.log", startup_timeout=240)
-    with s:
-        front = OpenAIFrontend(repo, s.grpc_url).start()
-        try:
-            yield openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0), front
-        finally:
-            front.stop()
+    try:
+        with s:
+            front = OpenAIFrontend(repo, s.grpc_url).start()
+            try:
+                yield openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0), front
+            finally:
+                front.stop()
+    finally:
+        engine.with_name("moved").rename(engine)
 
 
 def reference(engine, prompt: str, chat: bool) -> str:
-    args = ["generate", str(engine), "--prompt", prompt, "--max-tokens", str(N), "--json"]
+    args = ["generate", str(engine.with_name("moved")), "--prompt", prompt, "--max-tokens", str(N), "--json"]
     res = CliRunner().invoke(main, args + ([] if chat else ["--raw"]))
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)

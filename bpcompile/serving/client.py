@@ -315,7 +315,7 @@ def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 600
     """token: what `bpcompile serve` asks of the repository API (default: $BPCOMPILE_REPOSITORY_TOKEN)."""
     import os
 
-    from bpcompile.serving.serve import REPOSITORY_HEADER, TOKEN_ENV
+    from bpcompile.serving.protocol import REPOSITORY_HEADER, TOKEN_ENV
 
     base = url if url.startswith("http") else f"http://{url}"
     headers = {"Content-Type": "application/json"}

@@ -15,7 +15,6 @@ import json
 import threading
 import time
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Optional
@@ -213,15 +212,14 @@ class OpenAIFrontend:
 
         if p["stream"] and chat:
             send(chunk(None, None, first=True))
-        on_text = None
-        if p["stream"]:
-            def on_text(piece: str) -> None:
-                out = stops.feed(piece)
-                if out:
-                    send(chunk(out, None))
+        def on_text(piece: str) -> None:
+            out = stops.feed(piece)
+            if out:
+                send(chunk(out, None))
         try:
             res = generate_remote(self.grpc_url, prompt, p["max_tokens"], stream=True, temperature=p["temperature"],
-                                  top_p=p["top_p"], seed=p["seed"], stop_words=p["stop"] or None, on_text=on_text,
+                                  top_p=p["top_p"], seed=p["seed"], stop_words=p["stop"] or None,
+                                  on_text=on_text if p["stream"] else None,
                                   timeout=self.timeout)
         except RemoteError as e:
             raise ApiError(400, f"the server refused the request: {e}") from None

@@ -36,6 +36,13 @@ CONTEXT_TOKENS = 8
 REPLACEMENT = "\ufffd"
 
 
+# The repository API's access token (bpcompile serve --model-control explicit): the HTTP header, its gRPC metadata
+# name as tritonserver sees it, and the environment variable that supplies it.
+REPOSITORY_HEADER = "bpcompile-repository-token"
+GRPC_REPOSITORY_HEADER = f"triton-grpc-protocol-{REPOSITORY_HEADER}"
+TOKEN_ENV = "BPCOMPILE_REPOSITORY_TOKEN"
+
+
 def context_window(out_ids: list[int], start: int, end: int) -> tuple[list[int], int]:
     """The slice of `out_ids` a response for new tokens out_ids[start:end] carries, and its read offset."""
     c = max(0, start - CONTEXT_TOKENS)

@@ -28,10 +28,8 @@ from typing import Optional
 
 from bpcompile.core.errors import MissingDependency, UserError
 from bpcompile.serving import drain
+from bpcompile.serving.protocol import GRPC_REPOSITORY_HEADER, REPOSITORY_HEADER, TOKEN_ENV
 
-REPOSITORY_HEADER = "bpcompile-repository-token"
-GRPC_REPOSITORY_HEADER = f"triton-grpc-protocol-{REPOSITORY_HEADER}"  # how tritonserver names it in gRPC metadata
-TOKEN_ENV = "BPCOMPILE_REPOSITORY_TOKEN"
 _TOKEN = re.compile(r"[A-Za-z0-9._~-]{16,}")  # no , : = (the separators of tritonserver's flag)
 
 
