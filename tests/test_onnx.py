@@ -162,3 +162,29 @@ def test_target_tensorrt_without_tensorrt_exits_2_and_publishes_nothing(tmp_path
     assert "trtexec --onnx=" in res.output and "--dynamicPlugins=" in res.output
     store = tmp_path / "engines"
     assert not store.exists() or not [p for p in store.rglob("*") if p.is_dir() and p.name != ".locks"]
+
+
+@pytest.mark.server
+def test_triton_generator_runs_the_graphs(engine, tmp_path):
+    """A version whose engine.json says runtime.executor: onnxruntime is served by tritonserver's generator
+    through the exported graphs: the same tokens as the torch executor in process."""
+    import shutil
+
+    pytest.importorskip("pytriton")
+    from conftest import update_engine_config
+
+    from bpcompile.serving.client import generate_remote
+    from bpcompile.serving.emit import emit_repository
+    from bpcompile.serving.serve import ServerProcess
+
+    copy = tmp_path / "store" / "tiny" / "1"
+    shutil.copytree(engine, copy)
+    update_engine_config(copy, runtime={"executor": "onnxruntime", "onnx": True})
+    emit_repository([(1, copy)], tmp_path / "repo")
+    res = CliRunner().invoke(main, ["generate", str(copy), "--prompt", PROMPTS[0], "--max-tokens", "6", "--raw",
+                                    "--executor", "torch", "--json"])
+    assert res.exit_code == 0, res.output
+    with ServerProcess(tmp_path / "repo", log_file=tmp_path / "server.log", startup_timeout=240) as s:
+        got = generate_remote(s.grpc_url, PROMPTS[0], 6)
+        assert "executor onnxruntime" in s.log_tail(400)
+    assert got["token_ids"] == json.loads(res.stdout)["tokens"] and got["verifier_steps"] >= 1

@@ -146,7 +146,8 @@ class TritonPythonModel:
         import torch
 
         self.logger.log_info(f"generator: engine version {self.engine_version} from {engine_dir}, tree "
-                             f"{self.gen.tree.kind}, device {params.get('device', 'cpu')}, torch threads "
+                             f"{self.gen.tree.kind}, executor {self.gen.executor}, device "
+                             f"{params.get('device', 'cpu')}, torch threads "
                              f"{torch.get_num_threads()}, max_seq_len {self.max_seq_len}")
         self.loop = _TritonLoop(self).start()
         # `bpcompile serve` drains before stopping tritonserver: new requests refused, running ones finish
