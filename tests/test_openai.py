@@ -158,3 +158,19 @@ def test_malformed_requests_get_400_and_the_endpoint_stays_healthy(api):
         assert r.status == 200
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4 and r.choices[0].text
+
+
+def test_bench_against_the_openai_endpoint_with_a_plot(api, tmp_path):
+    """`bpcompile bench --protocol openai` over a concurrency sweep: both levels complete every request with the
+    tokens asked for, percentiles present, and the PNG is drawn."""
+    _, front = api
+    png = tmp_path / "sweep.png"
+    res = CliRunner().invoke(main, ["bench", "--url", front.url, "--protocol", "openai", "-n", "4", "--max-tokens",
+                                    "8", "--concurrency", "1,2", "--plot", str(png), "--json"])
+    assert res.exit_code == 0, res.output
+    levels = json.loads(res.stdout)["levels"]
+    assert [r["concurrency"] for r in levels] == [1, 2]
+    for r in levels:
+        assert r["requests"] == 4 and r["errors"] == 0 and r["output_tokens"] == 32
+        assert 0 < r["ttft_s"]["p50"] <= r["latency_s"]["p50"] and r["tpot_s"]["p50"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -107,27 +107,56 @@ def serve(repo, http_port, grpc_port, metrics_port, host, model_control, reposit
     sys.exit(code)
 
 
+def _levels(ctx, param, value) -> list[int]:
+    try:
+        levels = sorted({int(v) for v in str(value).split(",") if v.strip()})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise click.BadParameter(f"{value!r}: expected a positive integer or a list such as 1,2,4,8")
+    return levels
+
+
 @click.command()
-@click.option("--url", required=True, help="host:port of the server's gRPC (or, with --protocol http, HTTP) endpoint.")
+@click.option("--url", required=True, help="host:port of the server's gRPC (--protocol http: HTTP) endpoint, or the "
+              "base URL of an OpenAI-compatible API (--protocol openai: http://host:port/v1).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Text file, one prompt per line (default: a few built-in prompts).")
-@click.option("-n", "--requests", "n", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
+@click.option("-n", "--requests", "n", type=click.IntRange(1), default=32, show_default=True,
+              help="Requests per concurrency level.")
+@click.option("--concurrency", "-c", default="1", show_default=True, callback=_levels,
+              help="Clients in flight; a list (1,2,4,8) runs one level after another.")
 @click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
+@click.option("--protocol", type=click.Choice(["grpc", "http", "openai"]), default="grpc", show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw TTFT, time per output token and throughput against concurrency into this PNG.")
 @click.option("--json", "as_json", is_flag=True)
-def bench(url, prompts_file, n, concurrency, max_tokens, protocol, as_json):
+def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json):
     """Load a running server: TTFT, time per output token, latency percentiles, tokens/s, tokens per step."""
     from bpcompile.serving.client import DEFAULT_PROMPTS, bench_remote
 
     prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()] if prompts_file else DEFAULT_PROMPTS
-    r = bench_remote(url, prompts, n=n, concurrency=concurrency, max_tokens=max_tokens, protocol=protocol)
+    rows = []
+    for level in concurrency:
+        r = bench_remote(url, prompts, n=n, concurrency=level, max_tokens=max_tokens, protocol=protocol)
+        rows.append(r)
+        if not as_json:
+            _show(r, max_tokens)
+    if plot:
+        from bpcompile.serving.plot import plot_sweep
+
+        plot_sweep(rows, plot, title=f"{url} ({protocol}), {max_tokens} max tokens, {n} requests per level")
+        if not as_json:
+            click.echo(f"plot: {plot}")
     if as_json:
-        click.echo(json.dumps(r, indent=2))
-        return
+        click.echo(json.dumps(rows[0] if len(rows) == 1 else {"levels": rows}, indent=2))
+
+
+def _show(r: dict, max_tokens: int) -> None:
     ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
-    click.echo(f"{r['requests']} requests ({r['errors']} errors), concurrency {concurrency}, {max_tokens} max tokens")
-    click.echo(f"output tokens/s {r['output_tokens_per_s']:.1f}   tokens/verifier step "
+    click.echo(f"{r['requests']} requests ({r['errors']} errors), concurrency {r['concurrency']}, "
+               f"{max_tokens} max tokens")
+    click.echo(f"output tokens/s {r['output_tokens_per_s'] or 0:.1f}   tokens/verifier step "
                f"{r['tokens_per_step'] or 0:.2f}   acceptance {r['acceptance_rate'] or 0:.2f}")
     for k in ("ttft_s", "tpot_s", "latency_s"):
         s = r[k]

@@ -198,6 +198,47 @@ def _http_one(url: str, model: str, fields: dict, collector: _Collector, timeout
     return collector.result()
 
 
+def _openai_one(url: str, model: str, fields: dict, collector: _Collector, timeout: float) -> dict:
+    """One streamed /v1/completions request to an OpenAI-compatible endpoint (url: its base, ending in /v1).
+    The API reports no token ids per chunk: each content chunk counts as one arrival, and the token total comes
+    from the final usage (so time per output token spreads the stream's duration over every token after the
+    first chunk)."""
+    body = {"model": model, "prompt": fields["text_input"], "max_tokens": fields["max_tokens"], "stream": True,
+            "temperature": fields.get("temperature", 0.0), "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url.rstrip("/") + "/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    usage = None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                d = json.loads(line[5:])
+                if "error" in d:
+                    raise RemoteError(d["error"].get("message", str(d["error"])))
+                usage = d.get("usage") or usage
+                for c in d.get("choices", []):
+                    if c.get("text"):
+                        collector.add(None, c["text"], [0], {"finish_reason": c.get("finish_reason")})
+                    elif c.get("finish_reason"):
+                        collector.stats["finish_reason"] = c["finish_reason"]
+    except urllib.error.HTTPError as e:
+        raise RemoteError(e.read().decode("utf-8", errors="replace")) from None
+    res = collector.result()
+    n = (usage or {}).get("completion_tokens", res["tokens"])
+    first = collector.arrivals[0][0] if collector.arrivals else None
+    last = collector.arrivals[-1][0] if collector.arrivals else None
+    res.update(tokens=n, token_ids=[], tpot_s=(last - first) / (n - 1) if first is not None and n > 1 else None)
+    return res
+
+
+def openai_model(url: str, timeout: float = 30.0) -> str:
+    """The id of the one model an OpenAI-compatible endpoint serves (GET /v1/models)."""
+    with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=timeout) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
 def generate_remote(url: str, prompt: str, max_tokens: int = 64, stream: bool = True, protocol: str = "grpc", *,
                     model: str = "ensemble", temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: Optional[int] = None, end_id: Optional[int] = None, stop_words: Optional[list[str]] = None,
@@ -211,8 +252,10 @@ def generate_remote(url: str, prompt: str, max_tokens: int = 64, stream: bool = 
     col = _Collector(on_text)
     if protocol == "http":
         return _http_one(url, model, fields, col, timeout)
+    if protocol == "openai":
+        return _openai_one(url, openai_model(url) if model == "ensemble" else model, fields, col, timeout)
     if protocol != "grpc":
-        raise UserError(f"protocol must be grpc or http, got {protocol!r}")
+        raise UserError(f"protocol must be grpc, http or openai, got {protocol!r}")
     c = _grpc_client(url)
     done = False
     try:
@@ -253,6 +296,8 @@ def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurre
     if concurrency < 1 or not prompts:
         raise UserError("bench needs at least one prompt and concurrency >= 1")
     n = n or len(prompts)
+    if protocol == "openai" and model == "ensemble":
+        model = openai_model(url)
     for i in range(warmup):  # first requests pay one-time costs (allocations, lazy imports)
         generate_remote(url, prompts[i % len(prompts)], max_tokens=max_tokens, stream=stream, protocol=protocol,
                         model=model, temperature=temperature, timeout=timeout)
@@ -271,8 +316,9 @@ def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurre
                     return
                 fields = _request_fields(p, max_tokens, stream, temperature, 0, 1.0, None, None, None)
                 try:
+                    one = {"grpc": None, "http": _http_one, "openai": _openai_one}[protocol]
                     r = (_grpc_one(c, model, fields, _Collector(), timeout) if c is not None
-                         else _http_one(url, model, fields, _Collector(), timeout))
+                         else one(url, model, fields, _Collector(), timeout))
                     with lock:
                         results.append(r)
                 except Exception as e:  # counted, not fatal: a benchmark reports failures
