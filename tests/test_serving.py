@@ -116,6 +116,61 @@ def test_grpc_streaming_is_incremental_and_matches(server, reference, tokenizer)
         assert r["verifier_steps"] >= 1 and r["tokens_per_step"] >= 1.0 and r["total_draft_tokens"] > 0
 
 
+def backend_client_request(url, prompt, n, *, stream, exclude, **extra):
+    """A request shaped as tensorrtllm_backend's end_to_end_grpc_client shapes it (its prepare_inputs: [1, 1]
+    arrays, beam_width, exclude_input_in_output, num_return_sequences and pad_id/end_id as its flags send them; one
+    gRPC stream; only text_output requested), temperature 0 for a greedy reference. Returns the text as that client
+    assembles it (streamed pieces appended), or raises with the server's error."""
+    import queue as q
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.ones([1, 1], np.int32) * n,
+              "stream": np.array([[stream]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
+              "temperature": np.array([[0.0]], dtype=np.float32), "num_return_sequences": np.array([[1]], np.int32),
+              "exclude_input_in_output": np.array([[exclude]], dtype=bool), "pad_id": np.array([[2]], np.int32),
+              **extra}
+    tensors = []
+    for k, v in inputs.items():
+        t = grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype))
+        t.set_data_from_numpy(v)
+        tensors.append(t)
+    done: q.Queue = q.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: done.put(error or result))
+    client.async_stream_infer("ensemble", tensors, outputs=[grpcclient.InferRequestedOutput("text_output")])
+    client.stop_stream()  # waits for the server to end the stream
+    client.close()
+    text = ""
+    while not done.empty():
+        r = done.get()
+        if isinstance(r, Exception):
+            raise RemoteError(str(r))
+        piece = r.as_numpy("text_output")
+        if piece is not None:
+            text = text + piece[0].decode() if stream else piece[0].decode()
+    return text
+
+
+def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
+    """Its default inputs work (beam_width 1, pad_id, exclude_input_in_output false puts the prompt before a
+    non-streamed output, as TensorRT-LLM does); what bpcompile cannot do is refused by name, per request."""
+    url = server.grpc_url
+    for p in PROMPTS[:2]:
+        want = tokenizer.decode(reference[p])
+        assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=False) == p + want
+        assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=True) == want
+        assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
+    refused = {"beam_width": np.array([[2]], np.int32), "return_log_probs": np.array([[True]]),
+               "repetition_penalty": np.array([[1.2]], np.float32),
+               "lora_task_id": np.array([[7]], np.uint64)}
+    for name, value in refused.items():
+        with pytest.raises(RemoteError, match=name):
+            backend_client_request(url, PROMPTS[0], 4, stream=False, exclude=True, **{name: value})
+    assert generate_remote(url, PROMPTS[0], MAX_TOKENS)["token_ids"] == reference[PROMPTS[0]]  # still serving
+
+
 def test_sixteen_concurrent_clients(server, reference):
     results, errors = {}, []
 

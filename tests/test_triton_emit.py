@@ -118,6 +118,20 @@ def test_native_repository_layout_and_semantics(repo):
     assert (repo / "ensemble" / "1").is_dir()
 
 
+def test_ensemble_takes_every_input_of_the_backends_ensemble(repo):
+    """tensorrtllm_backend's clients send its ensemble's inputs: every one (the checked-in table transcribed from
+    the backend's config.pbtxt) is declared by the emitted ensemble with the same type and dims, and reaches the
+    generator (check_wiring: every ensemble input is consumed)."""
+    table = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_ensemble.json").read_text())
+    ens = configs(repo)["ensemble"]
+    got = {i.name: (mc.DataType.Name(i.data_type), list(i.dims)) for i in ens.input}
+    missing = [t["name"] for t in table["inputs"] if t["name"] not in got]
+    assert not missing, missing
+    for t in table["inputs"]:
+        assert got[t["name"]] == (t["data_type"], t["dims"]), t["name"]
+    check_wiring(configs(repo))
+
+
 def test_broken_wiring_is_detected(repo):
     """The wiring check itself can fail: drop a mapping and it must say so."""
     cfgs = configs(repo)

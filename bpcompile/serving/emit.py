@@ -84,6 +84,25 @@ ENSEMBLE_INPUTS = [
     ("stop_words", T.TYPE_STRING, [-1], True),
     ("bad_words", T.TYPE_STRING, [-1], True),
 ]
+# The rest of tensorrtllm_backend's ensemble inputs (its inflight_batcher_llm ensemble, TensorRT-LLM 1.2 line), with
+# its names, types and dims: the native ensemble passes them to the generator under the same names, which honours,
+# ignores or refuses each per request (protocol.backend_options). tests/data/tensorrtllm_backend_ensemble.json is
+# the backend's own list, which the tests compare with what is emitted.
+BACKEND_INPUTS = [
+    ("exclude_input_in_output", T.TYPE_BOOL, [1]), ("beam_width", T.TYPE_INT32, [1]),
+    ("num_return_sequences", T.TYPE_INT32, [1]), ("pad_id", T.TYPE_INT32, [1]), ("min_tokens", T.TYPE_INT32, [1]),
+    ("length_penalty", T.TYPE_FP32, [1]), ("repetition_penalty", T.TYPE_FP32, [1]),
+    ("presence_penalty", T.TYPE_FP32, [1]), ("frequency_penalty", T.TYPE_FP32, [1]),
+    ("return_log_probs", T.TYPE_BOOL, [1]), ("return_context_logits", T.TYPE_BOOL, [1]),
+    ("return_generation_logits", T.TYPE_BOOL, [1]), ("return_perf_metrics", T.TYPE_BOOL, [1]),
+    ("return_num_input_tokens", T.TYPE_BOOL, [1]), ("return_num_output_tokens", T.TYPE_BOOL, [1]),
+    ("decoder_text_input", T.TYPE_STRING, [1]), ("prompt_embedding_table", T.TYPE_FP16, [-1, -1]),
+    ("prompt_table_extra_id", T.TYPE_UINT64, [1]), ("prompt_vocab_size", T.TYPE_INT32, [1]),
+    ("embedding_bias_words", T.TYPE_STRING, [-1]), ("embedding_bias_weights", T.TYPE_FP32, [-1]),
+    ("lora_task_id", T.TYPE_UINT64, [1]), ("lora_weights", T.TYPE_FP16, [-1, -1]),
+    ("lora_config", T.TYPE_INT32, [-1, 3]), ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
+    ("guided_decoding_guide", T.TYPE_STRING, [1]),
+]
 STATS = [  # generator -> postprocessing -> client, unchanged; the first three are TRT-LLM's names
     ("acceptance_rate", T.TYPE_FP32), ("total_accepted_draft_tokens", T.TYPE_INT32),
     ("total_draft_tokens", T.TYPE_INT32), ("tokens_per_step", T.TYPE_FP32), ("verifier_steps", T.TYPE_INT32),
@@ -183,7 +202,7 @@ def generator_config(max_batch_size: int, policy, instances: int = 1, device: st
     cfg = mc.ModelConfig(name="generator", backend="python", max_batch_size=max_batch_size,
                          version_policy=version_policy_proto(policy))
     cfg.model_transaction_policy.decoupled = True
-    _inputs(cfg, GENERATOR_INPUTS + GENERATOR_TEXT_INPUTS)
+    _inputs(cfg, GENERATOR_INPUTS + GENERATOR_TEXT_INPUTS + [(n, t, d, True) for n, t, d in BACKEND_INPUTS])
     _outputs(cfg, [("CONTEXT_IDS", T.TYPE_INT32, [-1]), ("READ_OFFSET", T.TYPE_INT32, [1]),
                    ("IS_FINAL", T.TYPE_BOOL, [1]), ("RESPONSE_INDEX", T.TYPE_INT32, [1]),
                    ("FINISH_REASON", T.TYPE_STRING, [1])] + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS)
@@ -250,7 +269,8 @@ def trtllm_generator_config(max_batch_size: int, engine_path: str, *, kv_cache_f
 
 def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConfig:
     cfg = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=max_batch_size)
-    ins = ENSEMBLE_INPUTS + ([("return_perf_metrics", T.TYPE_BOOL, [1], True)] if target == "tensorrt-llm" else [])
+    ins = ENSEMBLE_INPUTS + ([("return_perf_metrics", T.TYPE_BOOL, [1], True)] if target == "tensorrt-llm" else
+                             [(n, t, d, True) for n, t, d in BACKEND_INPUTS])
     _inputs(cfg, ins)
     outs = [("text_output", T.TYPE_STRING, [-1]), ("output_ids", T.TYPE_INT32, [-1])]
     if target == "native":
@@ -276,6 +296,7 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
               "stop_words_list": "_STOP_WORDS_IDS", "bad_words_list": "_BAD_WORDS_IDS", "streaming": "stream",
               "temperature": "temperature", "runtime_top_k": "top_k", "runtime_top_p": "top_p", "seed": "seed"}
     if target == "native":
+        gen_in.update({n: n for n, _, _ in BACKEND_INPUTS})
         mid = ["CONTEXT_IDS", "READ_OFFSET", "IS_FINAL", "RESPONSE_INDEX", "FINISH_REASON"] + [n for n, _ in STATS]
         step("generator", gen_in, {n: "_" + n.upper() for n in mid})
         post_out = {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids", "OUT_RESPONSE_INDEX": "response_index",

@@ -224,3 +224,36 @@ def answer_each(pb_utils, requests, one, model: str) -> list:
             out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"{model} failed (an internal error; the server log has the details)", pb_utils.TritonError.INTERNAL)))
     return out
+
+
+# tensorrtllm_backend's request inputs beyond bpcompile's own (its ensemble's names; emit.BACKEND_INPUTS declares
+# them). The native runtime decodes one beam with tree speculation: each is honoured, ignored where it cannot
+# change a single-beam result, or refused per request, never an unknown-input error.
+OFF_VALUES = {  # refused unless one of these values (what the backend treats as "off")
+    "beam_width": (1,), "num_return_sequences": (1,), "min_tokens": (0, 1), "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "return_log_probs": (False,),
+    "return_context_logits": (False,), "return_generation_logits": (False,), "return_perf_metrics": (False,),
+    "return_num_input_tokens": (False,), "return_num_output_tokens": (False,),
+}
+ABSENT_ONLY = ("decoder_text_input", "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size",
+               "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config",
+               "guided_decoding_guide_type", "guided_decoding_guide")
+IGNORED = ("pad_id", "length_penalty")  # no padding in our outputs; length_penalty acts on beam search only
+
+
+def backend_options(get) -> bool:
+    """Check a request's tensorrtllm_backend inputs (get(name) -> array or None); returns exclude_input_in_output
+    (default true: the output holds the generated tokens only)."""
+    for name, ok in OFF_VALUES.items():
+        kind = type(ok[0])
+        v = scalar(get, name, ok[0], kind)
+        if v not in ok:
+            raise BadRequest(f"{name}={v} is not supported by bpcompile's runtime (one beam, tree speculation): "
+                             f"send {ok[0]} or leave it out")
+    for name in ABSENT_ONLY:
+        a = get(name)
+        if a is not None and np.asarray(a).size and not all(
+                isinstance(x, (bytes, str)) and not x for x in np.asarray(a, dtype=object).reshape(-1)):
+            raise BadRequest(f"{name} is not supported by bpcompile's runtime (LoRA, prompt tables, embedding bias, "
+                             f"guided decoding and encoder-decoder models are not implemented): leave it out")
+    return scalar(get, "exclude_input_in_output", True, bool)

@@ -38,8 +38,8 @@ import triton_python_backend_utils as pb_utils
 
 from bpcompile.runtime.inflight import InflightLoop, LoopRequest
 from bpcompile.serving.drain import ModelDrain
-from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, check_sampling, context_window,
-                                       delta_text, scalar, unpack_words)
+from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, backend_options,
+                                       check_sampling, context_window, delta_text, scalar, unpack_words)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -51,6 +51,7 @@ class _Job(LoopRequest):
     sender: object = None
     sent: int = 0        # tokens of `out` already sent
     index: int = 0       # RESPONSE_INDEX of the next response
+    exclude: bool = True  # exclude_input_in_output: false puts the prompt before a non-streamed output
 
 
 class _TritonLoop(InflightLoop):
@@ -195,6 +196,7 @@ class TritonPythonModel:
                              f" + max_tokens must be <= max_seq_len {self.max_seq_len}, so at most {room}")
         if bad:
             raise BadRequest("bad_words is not supported by the native runtime (send it empty)")
+        exclude = backend_options(get)
         temperature = scalar(get, "temperature", 0.0, float)
         check_sampling(temperature, top_k, top_p)
         seed = scalar(get, "seed", None, int)
@@ -202,7 +204,7 @@ class TritonPythonModel:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
                                 stop_words=stop)
-        return _Job(prompt, params, stream=stream, text=text)
+        return _Job(prompt, params, stream=stream, text=text, exclude=exclude)
 
     @staticmethod
     def _word_list(get, name):
@@ -235,6 +237,9 @@ class TritonPythonModel:
 
     def _send(self, job, start, o):
         ctx, read = context_window(job.out, start, len(job.out))
+        if not job.exclude and not job.stream and job.index == 0:  # as TensorRT-LLM: the prompt's tokens lead a
+            # non-streamed output (a streamed one carries the generated tokens only)
+            ctx, read = list(job.prompt) + list(ctx), 0
         s = o.stats
         accepted = int(sum(getattr(s, "accepted_per_depth", None) or []))
         drafted = int(sum(getattr(s, "proposed_per_depth", None) or []))
@@ -247,7 +252,8 @@ class TritonPythonModel:
         reason = (o.finish_reason or "") if o.finished else ""
         if job.text:  # what postprocessing makes of the token response below, with the ensemble's names
             piece = delta_text(self.text.decode, ctx, read, o.finished)
-            outs = [t("text_output", [piece.encode("utf-8")], np.object_), t("output_ids", ctx[read:], np.int32),
+            outs = [pb_utils.Tensor("text_output", np.array([piece.encode("utf-8")], dtype=np.object_)),  # [batch]
+                    t("output_ids", ctx[read:], np.int32),
                     t("response_index", [job.index], np.int32), t("finish_reason", [reason], np.object_)]
         else:
             outs = [t("CONTEXT_IDS", ctx, np.int32), t("READ_OFFSET", [read], np.int32),

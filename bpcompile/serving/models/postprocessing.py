@@ -37,7 +37,8 @@ class TritonPythonModel:
         read = int(get("READ_OFFSET").reshape(-1)[0])
         final = bool(get("IS_FINAL").reshape(-1)[0])
         text = delta_text(self.decode, ctx, read, final)
-        outs = [pb_utils.Tensor("OUTPUT", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+        # [batch] as tensorrtllm_backend's postprocessing returns it: its clients read text_output[0] as bytes
+        outs = [pb_utils.Tensor("OUTPUT", np.array([text.encode("utf-8")], dtype=np.object_)),
                 pb_utils.Tensor("OUTPUT_IDS", ctx[read:].astype(np.int32).reshape(1, -1))]
         outs += [pb_utils.Tensor("OUT_" + n, get(n)) for n in PASS_THROUGH]
         return pb_utils.InferenceResponse(output_tensors=outs)
@@ -48,7 +49,7 @@ class TritonPythonModel:
         ids = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])[0][0][: int(lens.reshape(-1)[0])]
         text = self.decode([int(i) for i in ids])
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("OUTPUT", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb_utils.Tensor("OUTPUT", np.array([text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("OUTPUT_IDS", ids.astype(np.int32).reshape(1, -1))])
 
     def execute(self, requests):
