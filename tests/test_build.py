@@ -122,7 +122,21 @@ def test_inspect_and_list(tmp_path, pair):
 
 
 def test_tensorrt_llm_target_fails_clearly_without_tensorrt(tmp_path, pair):
-    recipe = write_recipe(tmp_path / "r.yaml", *pair, extra="target: tensorrt-llm\n")
+    recipe = write_recipe(tmp_path / "r.yaml", *pair, extra="target: tensorrt-llm\nspeculative: {tree: chain, length: 4}\n")
     r = CliRunner().invoke(main, ["build", str(recipe)])
     assert r.exit_code == 2 and "TensorRT-LLM 1.2" in r.stderr and "target" in r.stderr
+    assert versions(tmp_path) == []
+
+
+@pytest.mark.parametrize("extra, key, says", [
+    ("kv_cache: {format: int4-fp8-outlier}\nspeculative: {tree: none}\n", "kv_cache.format", "one dtype per KV pool"),
+    ("kv_cache: {format: fp8}\nspeculative: {tree: none}\n", "kv_cache.format", "kv_cache_scaling_factor"),
+    ("kv_cache: {format: fp16}\nspeculative: {tree: dynamic, nodes: 5}\n", "speculative.tree", "chain"),
+])
+def test_tensorrt_llm_target_refuses_what_its_executor_cannot_hold(tmp_path, pair, extra, key, says):
+    """Not a silent downgrade: the recipe is refused before any stage, naming the key and the alternative."""
+    text = write_recipe(tmp_path / "r.yaml", *pair).read_text().replace("kv_cache: {format: fp16}\n", "")
+    (tmp_path / "r.yaml").write_text(text + "target: tensorrt-llm\n" + extra)
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "r.yaml")])
+    assert r.exit_code == 2 and key in r.stderr and says in r.stderr and "target: native" in r.stderr, r.stderr
     assert versions(tmp_path) == []

@@ -209,6 +209,21 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         line = _line_for(lines, loc)
         problems.append((line, f"{path}:{line}: {_key(loc)}: {msg}"))
 
+    if recipe.target == "tensorrt-llm":  # what TensorRT-LLM 1.2's executor can hold, refused before any work
+        kv = recipe.kv_cache.format
+        if kv == "int4-fp8-outlier":
+            problem(("kv_cache", "format"), "TensorRT-LLM 1.2's executor allocates one dtype per KV pool and cannot "
+                    "hold the mixed INT4/FP8 cache: use target: native (or tensorrt) for it, or kv_cache.format: "
+                    "fp16 with this target")
+        elif kv in ("fp8", "int8"):
+            problem(("kv_cache", "format"), f"{kv} KV for this target needs per-layer kv_cache_scaling_factor tensors "
+                    "from calibration, which bpcompile does not write yet (the engine would silently get an "
+                    "unquantized cache): use kv_cache.format: fp16 with this target, or target: native")
+        if recipe.speculative.tree in ("dynamic", "static"):
+            problem(("speculative", "tree"), "TensorRT-LLM's draft_tokens_external verifies a chain of draft tokens, "
+                    "not a tree: use speculative: {tree: chain, length: N} (or none) with this target, or target: "
+                    "native for trees")
+
     if src.startswith("builtin:") and src != "builtin:pydoc-topics":
         problem(("calibration", "source"), f"unknown builtin source {src!r}; expected 'builtin:pydoc-topics' or a text file path")
     elif loaded.calibration_file and not loaded.calibration_file.is_file():
