@@ -170,8 +170,14 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
     tmpdir.mkdir()
     planted_ran, evil_ran = tmp_path / "planted-stub-ran", tmp_path / "evil-ran"
     _plant_backends(tmpdir, planted_ran)
-    s = Serve(repo, tmp_path, env={"TMPDIR": str(tmpdir)})
+    from bpcompile.serving.serve import free_port
+
+    oai = free_port()
+    s = Serve(repo, tmp_path, "--openai-port", str(oai), env={"TMPDIR": str(tmpdir)})
     assert not planted_ran.exists(), planted_ran.read_text()
+    assert re.search(rf"^openai\s+http://127.0.0.1:{oai}/v1$", s.stderr(), re.M), s.stderr()
+    with urllib.request.urlopen(f"http://127.0.0.1:{oai}/v1/models", timeout=30) as r:
+        assert json.loads(r.read())["data"][0]["id"] == "tiny"
     backends = Path(re.search(r'"backend-directory":"([^"]+)"', s.log.read_text()).group(1))
     assert backends.parent.parent == tmpdir and backends.parent.name.startswith("bpcompile-serve-")
     assert stat.S_IMODE(backends.parent.stat().st_mode) == 0o700 and backends.parent.stat().st_uid == os.getuid()
@@ -189,6 +195,11 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
     time.sleep(0.5)  # the generators see the drain flag within 0.1 s
     with pytest.raises(RemoteError, match="shutting down"):
         generate_remote(f"127.0.0.1:{s.grpc}", "Hello", 4)
+    req = urllib.request.Request(f"http://127.0.0.1:{oai}/v1/completions", method="POST", data=json.dumps(
+        {"model": "tiny", "prompt": "Hello", "max_tokens": 4}).encode(), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:  # the OpenAI endpoint drains with the server
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 503 and "shutting down" in e.value.read().decode()
     assert s.wait() == 0, s.stderr()
     for t in threads:
         t.join(30)

@@ -273,7 +273,10 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
             from bpcompile.serving.openai_frontend import OpenAIFrontend
 
             frontend = OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port).start()
-        for k, v in {**s.endpoints(), **({"openai": frontend.url} if frontend else {})}.items():
+        ends = s.endpoints()
+        if frontend is not None:  # before the log line, which supervisors and tests take as "ready"
+            ends = {**{k: v for k, v in ends.items() if k != "log"}, "openai": frontend.url, "log": ends["log"]}
+        for k, v in ends.items():
             log(f"{k:8s} {v}")
         if model_control != "none":
             shown = f"${TOKEN_ENV}" if repository_token else s.repository_token
