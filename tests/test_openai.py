@@ -147,6 +147,9 @@ def test_malformed_requests_get_400_and_the_endpoint_stays_healthy(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=4, n=3)
     assert "n is not supported" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # refused on its size, before it is tokenized
+        client.completions.create(model="tiny", prompt="word " * 200_000, max_tokens=4)
+    assert "bytes" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=4)
     req = urllib.request.Request(front.url + "/completions", data=b"{not json", method="POST",

@@ -126,7 +126,7 @@ def _session(path: Path, rename: dict[str, str]):
 
     ort, ox = _ort()
     if not path.is_file():
-        raise UserError(f"{path}: no exported graph here (build with onnx.export: true, or export with "
+        raise UserError(f"{path}: no exported graph here (build with runtime.onnx: true, or export with "
                         "bpcompile.build.onnx_export.export_generator)", file=str(path))
     m = onnx.load(str(path))  # with its external weights
     _for_bridge(m.graph, rename)

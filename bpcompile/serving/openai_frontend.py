@@ -19,10 +19,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
+
 from bpcompile.core.engine import EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.serving.client import RemoteError, generate_remote
-from bpcompile.serving.protocol import TextInterface
+from bpcompile.serving.protocol import BadRequest, TextInterface
 
 MAX_STOPS = 4  # as the OpenAI API
 # sampling fields of the OpenAI API that this endpoint cannot honour: refused when set to anything but a no-op
@@ -193,7 +195,10 @@ class OpenAIFrontend:
             if not isinstance(prompt, str) or not prompt:
                 raise ApiError(400, "prompt must be a non-empty string (token-id and batched prompts are not "
                                     "supported)", "prompt")
-        prompt_tokens = len(self.text.tokenizer.encode(prompt).ids)
+        try:  # the same size check (on bytes, before tokenizing) and tokenization as the preprocessing model
+            prompt_tokens = len(self.text.prompt(np.array([prompt.encode("utf-8")], dtype=object)))
+        except BadRequest as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         p = self.params(body, chat, prompt_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
