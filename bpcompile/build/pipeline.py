@@ -274,11 +274,11 @@ def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
         rep.skip("compile kernels", f"not available in this version ({e})")
         return
     rep.run("compile kernels", lambda: compile_engine_kernels(stage, loaded.recipe, stage / "kernels"))
-    # The TensorRT plugin library wraps those kernels; it is needed (and required) only for the
-    # tensorrt-llm target, and built wherever TensorRT headers and libraries exist.
+    # The TensorRT plugin library wraps those kernels; it is needed (and required) only for the tensorrt
+    # target (the tensorrt-llm target refuses the cache it implements), and built wherever TensorRT exists.
     from bpcompile.build.plugin import build_trt_plugin
 
-    res = build_trt_plugin(stage / "kernels", stage / "trt_plugin", required=loaded.recipe.target == "tensorrt-llm")
+    res = build_trt_plugin(stage / "kernels", stage / "trt_plugin", required=loaded.recipe.target == "tensorrt")
     if res.get("status") == "skipped":
         rep.skip("tensorrt plugin", res["reason"])
     else:
