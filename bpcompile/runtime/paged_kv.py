@@ -187,6 +187,17 @@ class AttnBatch:
             self._plan = (slots, self.visible(T, N))
         return self._plan
 
+    def gather(self, store: KVStore, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every sequence's keys and values up to the longest (k, v [B, KV, N, D], read through the store, in q's
+        dtype) and visible [B, T, N], for queries q [B, T, H, D]."""
+        B, T, _, D = q.shape
+        slots, visible = self.plan(T)
+        N = slots.shape[1]
+        k, v = store.read(layer, slots.reshape(-1))
+        KV = k.shape[1]
+        return (k.to(q.dtype).view(B, N, KV, D).transpose(1, 2), v.to(q.dtype).view(B, N, KV, D).transpose(1, 2),
+                visible)
+
     def visible(self, T: int, N: int) -> torch.Tensor:
         """[B, T, N] bool: query i of sequence b sees logical entry n."""
         B = self.context_lens.shape[0]
@@ -257,17 +268,13 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
     a boolean mask built from context lengths and the packed tree mask. On CUDA with a quantized cache the
     Triton kernel (bpcompile/kernels/paged.py) runs instead, reading the packed pages directly.
     """
-    B, T, H, D = q.shape
+    H, D = q.shape[2:]
     kern = kernels_for(store, q.device) if kern is False else kern  # False: resolve here
     if kern is not None:
         return kern.paged_attention(q, store, layer, batch.block_tables, batch.context_lens, batch.tree_mask,
                                     batch.tree_lens, D ** -0.5, q_lens=batch.q_lens)
-    slots, visible = batch.plan(T)
-    N = slots.shape[1]
-    k, v = store.read(layer, slots.reshape(-1))
+    k, v, visible = batch.gather(store, layer, q)
     kv = k.shape[1]
-    k = k.to(q.dtype).view(B, N, kv, D).transpose(1, 2)
-    v = v.to(q.dtype).view(B, N, kv, D).transpose(1, 2)
     if H != kv and not _HAS_GQA:
         k, v = k.repeat_interleave(H // kv, 1), v.repeat_interleave(H // kv, 1)
     extra = {"enable_gqa": True} if H != kv and _HAS_GQA else {}

@@ -100,16 +100,10 @@ def _float_view(k_pool: torch.Tensor, v_pool: torch.Tensor, page_size: int) -> F
 
 def _attend(store, q, layer, block_tables, context_lens, tree_lens, q_lens, tree_mask, sm_scale) -> torch.Tensor:
     """q [B, T, H, D] over the store's entries per AttnBatch's rules (the torch executor's dense path math)."""
-    B, T, H, D = q.shape
     batch = AttnBatch(block_tables, context_lens.long(), tree_lens.long(), q_lens.long(), tree_mask,
                       store.page_size)
-    slots, visible = batch.plan(T)
-    N = slots.shape[1]
-    k, v = store.read(layer, slots.reshape(-1))
-    KV = k.shape[1]
-    k = k.to(q.dtype).view(B, N, KV, D).transpose(1, 2)
-    v = v.to(q.dtype).view(B, N, KV, D).transpose(1, 2)
-    hidden = ~visible.repeat_interleave(H // KV, dim=1)[:, None]
+    k, v, visible = batch.gather(store, layer, q)
+    hidden = ~visible.repeat_interleave(q.shape[2] // k.shape[1], dim=1)[:, None]
     return dense_attention(q, k, v, hidden, scale=sm_scale)
 
 
