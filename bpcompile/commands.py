@@ -29,8 +29,11 @@ from bpcompile.core.store import engine_version_dir
 @click.option("--executor", type=click.Choice(["torch", "onnxruntime"]), default=None,
               help="What runs the models (default: the engine's runtime.executor); onnxruntime runs the version's "
                    "exported step graphs (built with runtime.onnx: true).")
+@click.option("--tp", type=click.IntRange(1), default=None,
+              help="Tensor-parallel size: the engine's parallel.tp (default; one process per rank over gloo) or 1 "
+                   "(its rank files merged into this process).")
 @click.option("--json", "as_json", is_flag=True)
-def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, executor, as_json):
+def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, executor, tp, as_json):
     """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
     if url:
         from bpcompile.serving.client import generate_remote_cli
@@ -41,7 +44,7 @@ def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed
         raise UserError("give an ENGINE (a version directory such as engines/tiny/1) or --url of a running server")
 
     generate_text(engine_version_dir(engine), prompt, max_tokens=max_tokens, tree=tree, no_speculation=no_speculation,
-                 temperature=temperature, seed=seed, json_out=as_json, chat=chat, executor=executor)
+                 temperature=temperature, seed=seed, json_out=as_json, chat=chat, executor=executor, tp=tp)
 
 
 def _lengths(ctx, param, value):
@@ -98,14 +101,13 @@ except ImportError:  # pragma: no cover - only while the serving package is abse
 
 def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optional[str] = None,
                  no_speculation: bool = False, temperature: float = 0.0, seed: Optional[int] = None,
-                 json_out: bool = False, chat: bool = True, executor: Optional[str] = None) -> dict:
+                 json_out: bool = False, chat: bool = True, executor: Optional[str] = None,
+                 tp: Optional[int] = None) -> dict:
     """`bpcompile generate`: stream tokens to stdout as they come, statistics at the end."""
     from tokenizers import Tokenizer
-    from tokenizers.decoders import DecodeStream
 
-    from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.generator import Generator
     from bpcompile.runtime.speculative import TreeSpec, parse_tree_spec
-    from bpcompile.runtime.text import chat_prompt
 
     d = Path(engine_dir)
     tj = d / "tokenizer" / "tokenizer.json"
@@ -119,7 +121,20 @@ def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Opti
         eos = eos.get("content") if isinstance(eos, dict) else eos
         end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
-    gen = Generator.from_engine(d, tree=spec, executor=executor)
+    gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp)
+    try:
+        return _generate(gen, d, tok, prompt_text, max_tokens, temperature, seed, end_id, json_out, chat)
+    finally:
+        gen.close()
+
+
+def _generate(gen, d: Path, tok, prompt_text: str, max_tokens: int, temperature: float, seed: Optional[int],
+              end_id: Optional[int], json_out: bool, chat: bool) -> dict:
+    from tokenizers.decoders import DecodeStream
+
+    from bpcompile.runtime.generator import SamplingParams
+    from bpcompile.runtime.text import chat_prompt
+
     templated = chat_prompt(d / "tokenizer", prompt_text) if chat else None
     ids = tok.encode(templated if templated is not None else prompt_text).ids
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, end_id=end_id)
@@ -135,7 +150,7 @@ def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Opti
     (out, stats), = gen.generate([ids], params, on_token=None if json_out else stream)
     wall = time.perf_counter() - t0
     result = {"tree": gen.tree.kind if gen.draft is not None else "none", "prompt_tokens": len(ids),
-              "executor": gen.executor,
+              "executor": gen.executor, "tp": gen.tp,
               "chat_template": templated is not None,
               "tokens": out, "text": tok.decode(out), "tokens_per_s": len(out) / wall if wall > 0 else None,
               "wall_s": wall, "tau": stats.tau, "verifier_steps": stats.verifier_steps,

@@ -184,3 +184,25 @@ def merge_ranks(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
                     continue
             out[gname] = t
     return out
+
+
+def load_rank(ckpt_dir: str | Path, rank: int, tp: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One tensor-parallel rank's own tensors (TRT-LLM names, as the converter split them) and the checkpoint's
+    config, for a runtime that runs at the checkpoint's tp with one process per rank (nothing merged)."""
+    from safetensors import safe_open
+
+    d = Path(ckpt_dir)
+    cfg = read_trtllm_config(d)
+    m = cfg.get("mapping", {})
+    have_tp, pp = m.get("tp_size", 1), m.get("pp_size", 1)
+    if pp != 1:
+        raise UserError(f"the native runtime runs tensor parallelism only (this checkpoint has pp={pp}); "
+                        "run it at tp 1 (its ranks merged) or rebuild with parallel.pp: 1", file=str(d), key="pp")
+    if have_tp != tp:
+        raise UserError(f"checkpoint converted for tp={have_tp}, asked to run at tp={tp}: run at tp {have_tp} "
+                        f"(or 1, merged), or rebuild with parallel.tp: {tp}", file=str(d), key="tp")
+    path = d / f"rank{rank}.safetensors"
+    if not path.is_file():
+        raise UserError(f"missing {path.name} (tp={tp} needs {tp} rank files)", file=str(d))
+    with safe_open(path, "pt") as f:
+        return cfg, {k: f.get_tensor(k) for k in f.keys()}

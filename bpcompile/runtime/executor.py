@@ -14,10 +14,23 @@ from bpcompile.runtime.request import Request
 
 
 class Executor:
-    def __init__(self, model: Llama, kv: PagedKV, device: torch.device, lookahead: int):
+    """Host bookkeeping (pages, slots, padding) turns requests into tensors; `run_prefill`, `run_forward` and
+    `run_move` compute on them. With tensor parallelism (runtime/tp.py) rank 0 does the bookkeeping and
+    `peers` hands each call's tensors to the other ranks, which run the same `run_*` on their shards."""
+
+    def __init__(self, model: Llama, kv: PagedKV, device: torch.device, lookahead: int, role: str = "verifier"):
         """lookahead: cache entries reserved past a prompt at prefill (the largest tree a step writes)."""
-        self.model, self.kv, self.device, self.lookahead = model, kv, device, lookahead
+        self.model, self.kv, self.device, self.lookahead, self.role = model, kv, device, lookahead, role
         self.forwards = 0  # batched forwards after prefill (benchmarks read these)
+        self.peers = None  # runtime.tp.Peers on rank 0 of a tensor-parallel group
+
+    def _call(self, name: str, *args):
+        if self.peers is not None:
+            self.peers.send(self.role, name, args)
+        return getattr(self, name)(*args)
+
+    def _dense_width(self) -> int:
+        return self.kv.dense.k.shape[3] if self.kv.dense is not None else 0
 
     def prefill(self, reqs: list[Request], last_logits: bool) -> Optional[torch.Tensor]:
         """Prompts through the model (right-padded, causal over the prompt alone), K/V into the cache;
@@ -34,6 +47,17 @@ class Executor:
         if kv.dense is not None:
             at = (torch.tensor([[kv.rows[r.id]] * len(r.prompt) + [kv.dense.null] * (T - len(r.prompt))
                                 for r in reqs], device=dev).view(-1), torch.arange(T, device=dev).repeat(B))
+        same = len(set(lens)) == 1
+        logits = self._call("run_prefill", tok, flat, at, same or not last_logits, self._dense_width())
+        if not last_logits:
+            return None
+        return logits[:, -1] if same else logits[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]
+
+    def run_prefill(self, tok: torch.Tensor, flat: torch.Tensor, at: Optional[tuple], last_only: bool,
+                    dense_width: int) -> torch.Tensor:
+        kv, (B, T) = self.kv, tok.shape
+        if kv.dense is not None:
+            kv.dense.reserve(dense_width)
 
         def attend(layer, q, k, v):
             # Right padding: real tokens never see the padding under a causal mask. The prompt attends to
@@ -41,11 +65,7 @@ class Executor:
             kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
             return causal_attend(q, k, v)
 
-        same = len(set(lens)) == 1
-        logits = self.model(tok, None, attend=attend, last_only=same or not last_logits)
-        if not last_logits:
-            return None
-        return logits[:, -1] if same else logits[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]
+        return self.model(tok, None, attend=attend, last_only=last_only)
 
     def forward(self, reqs: list[Request], tokens: list[list[int]], positions: list[list[int]],
                 writes: list[list[int]], ctx: list[int], tree_lens: list[int],
@@ -75,28 +95,41 @@ class Executor:
                                   mask, kv.ps)
                 rep = model.cfg.num_heads // model.cfg.num_kv_heads
                 hidden = ~batch.visible(T, N).repeat_interleave(rep, dim=1)[:, None]
+            attn = ("dense", at, rows, N, hidden)
+        else:
+            attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
+                                       torch.tensor(tree_lens, device=dev),
+                                       torch.tensor([len(t) for t in tokens], device=dev), mask, kv.ps))
+        self.forwards += 1
+        return self._call("run_forward", tok, pos, flat, attn, self._dense_width())
+
+    def run_forward(self, tok: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor, attn: tuple,
+                    dense_width: int) -> torch.Tensor:
+        kv, (B, T) = self.kv, tok.shape
+        if attn[0] == "dense":
+            _, at, rows, N, hidden = attn
+            kv.dense.reserve(dense_width)
 
             def attend(layer, q, k, v):
                 kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
                 return dense_attention(q, *kv.dense.read(layer, rows, N), hidden)
         else:
-            batch = AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
-                              torch.tensor(tree_lens, device=dev), torch.tensor([len(t) for t in tokens], device=dev),
-                              mask, kv.ps)
+            batch = attn[1]
 
             def attend(layer, q, k, v):
                 kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
-        self.forwards += 1
-        return model(tok, pos, attend=attend)
+        return self.model(tok, pos, attend=attend)
 
     def move(self, moves: "Moves") -> None:
         """Apply the collected KV moves (accepted tree entries to their committed slots)."""
         if moves.src:
-            src, dst, rows, src_i, dst_i = (torch.tensor(x, device=self.device) for x in
-                                            (moves.src, moves.dst, moves.rows, moves.src_index, moves.dst_index))
-            self.kv.move(src, dst, (rows, src_i, dst_i))
+            self._call("run_move", *(torch.tensor(x, device=self.device) for x in
+                                     (moves.src, moves.dst, moves.rows, moves.src_index, moves.dst_index)))
+
+    def run_move(self, src, dst, rows, src_i, dst_i) -> None:
+        self.kv.move(src, dst, (rows, src_i, dst_i))
 
 
 class Moves:

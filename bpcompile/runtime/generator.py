@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 import uuid
 from pathlib import Path
 from typing import Callable, Optional
@@ -80,7 +81,7 @@ class Generator:
                 return OnnxExecutor(model, PagedKV(store, self.device), self.device, self.g_max, Path(graphs) / role)
             dense = DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device) \
                 if dense_kv and kernels_for(store, self.device) is None else None
-            return Executor(model, PagedKV(store, self.device, dense), self.device, self.g_max)
+            return Executor(model, PagedKV(store, self.device, dense), self.device, self.g_max, role)
 
         self.v_exec = make(self.verifier, kv_store_factory, "verifier")
         self.d_exec = make(self.draft, draft_kv_store_factory, "draft") if self.draft is not None else None
@@ -89,6 +90,7 @@ class Generator:
         self.scheduler = Scheduler(max_batch_size, self.vkv.capacity)
         self.spec = SpeculativeStep(self.v_exec, self.d_exec, self.tree, backoff=backoff)
         self.outbox: list[StepOutput] = []
+        self.tp, self.peers = 1, None  # from_engine sets them for a tensor-parallel engine
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -96,15 +98,38 @@ class Generator:
     def from_engine(cls, engine_dir, *, tree: Optional[TreeSpec] = None, device: str = "cpu",
                     kv_store_factory: Optional[KVStoreFactory] = None,
                     draft_kv_store_factory: Optional[KVStoreFactory] = None,
-                    executor: Optional[str] = None) -> "Generator":
+                    executor: Optional[str] = None, tp: Optional[int] = None,
+                    _rank: int = 0, _group=None) -> "Generator":
         """Load engine_dir/verifier, engine_dir/draft (converted checkpoints), the engine config
         (engine.json: speculative tree, limits, KV page size and format, executor) and, unless a factory is
         given, the verifier's KV plan in engine_dir/kv_plan (float cache without one). executor overrides the
-        engine's runtime.executor; onnxruntime runs the graphs in engine_dir/onnx."""
+        engine's runtime.executor; onnxruntime runs the graphs in engine_dir/onnx.
+
+        tp: tensor-parallel size to run at: 1 merges the rank files into one process; the checkpoint's own tp
+        runs one process per rank (runtime/tp.py; call `close()` to stop them). Default: the engine's
+        parallel.tp when its pp is 1, else 1. _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if not (d / "verifier" / "config.json").is_file():
             raise UserError(f"{d}: no converted verifier checkpoint (expected {d / 'verifier' / 'config.json'})")
         cfg = EngineConfig.load(d)
+        if tp is None:
+            tp = cfg.parallel.tp if cfg.parallel.pp == 1 else 1
+        if tp != 1 and tp != cfg.parallel.tp:
+            raise UserError(f"{d} was converted for tp={cfg.parallel.tp}: run it at tp {cfg.parallel.tp} or 1 "
+                            f"(merged), or rebuild with parallel.tp: {tp}", key="tp")
+        if tp > 1:
+            if cfg.parallel.pp != 1:
+                raise UserError(f"{d} has pp={cfg.parallel.pp}: the native runtime runs tensor parallelism only; "
+                                "run it at tp 1 (ranks merged)", key="tp")
+            if kv_store_factory is not None or draft_kv_store_factory is not None:
+                raise UserError("tp > 1 runs the engine's own KV plan (each rank takes its heads' share); "
+                                "custom KV store factories are for tp 1", key="tp")
+            if torch.device(device).type != "cpu":
+                raise UserError(f"tensor parallelism runs over gloo on CPU in this release; device {device!r} "
+                                "needs tp 1", key="tp")
+            if (executor or cfg.runtime.executor) != "torch":
+                raise UserError("tensor parallelism runs with the torch executor (the ONNX graphs are exported "
+                                "unsplit)", key="tp")
         spec, limits, kv = cfg.speculative, cfg.limits, cfg.kv_cache
         has_draft = (d / "draft" / "config.json").is_file()
         if tree is None:
@@ -116,19 +141,46 @@ class Generator:
             # the engine's calibrated KV plan (INT4/FP8 units) describes the verifier's cache
             from bpcompile.runtime.kvcache import KVPlan, kv_store_factory as plan_factory
 
-            kv_store_factory = plan_factory(KVPlan.load(d / "kv_plan"))
+            plan = KVPlan.load(d / "kv_plan")
+            kv_store_factory = plan_factory(plan.shard(_rank, tp) if tp > 1 else plan)
         elif kv_store_factory is None and kv.format == "fp16":
             kv_store_factory = float_store_factory(torch.float16)  # an FP16 cache whatever the model's dtype
-        verifier = Llama.from_checkpoint(d / "verifier")
-        draft = Llama.from_checkpoint(d / "draft") if tree.kind != "none" else None
         executor = executor or cfg.runtime.executor
         if executor == "onnxruntime" and not (d / "onnx" / "verifier" / "step.onnx").is_file():
             raise UserError(f"{d}: no exported graphs for the onnxruntime executor (expected {d / 'onnx'}); "
                             "rebuild with runtime.onnx: true", key="executor")
-        return cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
-                   page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
-                   draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
-                   backoff=spec.backoff, executor=executor, graphs=d / "onnx")
+        group, procs = _group, []
+        if tp > 1 and _rank == 0:
+            from bpcompile.runtime import tp as tensor_parallel
+
+            group, procs = tensor_parallel.launch(d, tp, {"tree": asdict(tree), "device": device})
+        try:
+            load = (lambda role: Llama.from_rank(d / role, _rank, tp, group)) if tp > 1 else \
+                (lambda role: Llama.from_checkpoint(d / role))
+            verifier = load("verifier")
+            draft = load("draft") if tree.kind != "none" else None
+            gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
+                      page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
+                      draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
+                      backoff=spec.backoff, executor=executor, graphs=d / "onnx")
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        gen.tp = tp
+        if procs:
+            from bpcompile.runtime.tp import Peers
+
+            gen.peers = Peers(group, procs)
+            for ex in (gen.v_exec, gen.d_exec):
+                if ex is not None:
+                    ex.peers = gen.peers
+        return gen
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (no-op at tp 1). The engine cannot run after it."""
+        if self.peers is not None:
+            self.peers.close()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None) -> str:
         p, V = params, self.verifier.cfg.vocab_size

@@ -12,7 +12,7 @@ contiguously.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -359,6 +359,18 @@ class KVPlan:
         table = [] if prec is None else [{"k": [prec] * num_kv_heads, "v": [prec] * num_kv_heads}
                                          for _ in range(num_layers)]
         return cls(format, num_layers, num_kv_heads, head_size, group_size, table)
+
+    def shard(self, rank: int, tp: int) -> "KVPlan":
+        """The plan of tensor-parallel rank `rank`'s KV heads (the converter's split: a contiguous range of
+        num_kv_heads / tp heads, or the one head rank // (tp / num_kv_heads) when tp exceeds them)."""
+        KV = self.num_kv_heads
+        heads = list(range(rank * KV // tp, (rank + 1) * KV // tp)) if tp <= KV else [rank // (tp // KV)]
+        idx = torch.tensor(heads)
+        pick = lambda t, dim: None if t is None else t.index_select(dim, idx).contiguous()  # noqa: E731
+        return replace(self, num_kv_heads=len(heads),
+                       precision=[{t: [p[t][h] for h in heads] for t in ("k", "v")} for p in self.precision],
+                       k_channel_scale=pick(self.k_channel_scale, 1), int4_clip=pick(self.int4_clip, 2),
+                       k_mean=pick(self.k_mean, 1))
 
     def unit_precision(self) -> torch.Tensor:
         """[L, 2, KV] int8 precision codes."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from bpcompile.core.checkpoint import attention_shape, merge_ranks
+from bpcompile.core.checkpoint import attention_shape, load_rank, merge_ranks
 
 # attend(layer, q[B,T,H,D], k[B,T,KV,D], v[B,T,KV,D]) -> out[B,T,H,D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +67,12 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def shard(self, tp: int) -> "ModelConfig":
+        """One tensor-parallel rank's share, as the converter splits it: query heads and the MLP's intermediate
+        size divided by tp, KV heads too (one, duplicated, when tp exceeds them). vocab_size stays the model's."""
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1),
+                       intermediate_size=self.intermediate_size // tp)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -133,6 +139,42 @@ class _Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.wt
         return y if self.bias is None else y + self.bias
+
+
+class RowParallel(torch.nn.Module):
+    """A linear whose input features are split over the ranks of `group`: each rank multiplies its slice, the
+    partial products are summed over the ranks (one all-reduce), the bias is added once, after."""
+
+    def __init__(self, lin: _Linear, group):
+        super().__init__()
+        self.register_buffer("wt", lin.wt)
+        self.register_buffer("bias", lin.bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.wt
+        self.group.allreduce([y]).wait()
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelHead(torch.nn.Module):
+    """The output head split over the vocabulary (rows zero-padded to a multiple of tp): each rank computes its
+    slice of the logits, one all-gather puts them side by side."""
+
+    def __init__(self, lin: _Linear, group, tp: int):
+        super().__init__()
+        self.register_buffer("wt", lin.wt)
+        self.group, self.tp = group, tp
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.wt.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x @ self.wt).contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.tp)]
+        self.group.allgather([parts], [y]).wait()
+        return torch.cat(parts, dim=-1)
 
 
 class Block(torch.nn.Module):
@@ -208,6 +250,20 @@ class Llama(torch.nn.Module):
         if dtype is None:
             dtype = getattr(torch, cfg.dtype)
         return cls(cfg, merge_ranks(ckpt_dir), dtype)
+
+    @classmethod
+    def from_rank(cls, ckpt_dir: str | Path, rank: int, tp: int, group,
+                  dtype: Optional[torch.dtype] = torch.float32) -> "Llama":
+        """Tensor-parallel rank `rank` of a checkpoint converted for tp: only its own rank file is read; the
+        row-split linears sum their partial products over `group` (a torch.distributed process group) and the
+        vocab-split head gathers its logits, so every rank's forward returns the whole model's logits."""
+        raw, w = load_rank(ckpt_dir, rank, tp)
+        full = ModelConfig.from_trtllm(raw)
+        model = cls(full.shard(tp), w, getattr(torch, full.dtype) if dtype is None else dtype)
+        for blk in model.layers:
+            blk.o, blk.down = RowParallel(blk.o, group), RowParallel(blk.down, group)
+        model.head = VocabParallelHead(model.head, group, tp)
+        return model
 
     def _apply(self, fn, *args, **kwargs):  # a dtype/device move invalidates the rotary tables
         self._rope = None

@@ -147,7 +147,7 @@ class TritonPythonModel:
         import torch
 
         self.logger.log_info(f"generator: engine version {self.engine_version} from {engine_dir}, tree "
-                             f"{self.gen.tree.kind}, executor {self.gen.executor}, device "
+                             f"{self.gen.tree.kind}, executor {self.gen.executor}, tp {self.gen.tp}, device "
                              f"{params.get('device', 'cpu')}, torch threads "
                              f"{torch.get_num_threads()}, max_seq_len {self.max_seq_len}")
         self.loop = _TritonLoop(self).start()
@@ -287,4 +287,5 @@ class TritonPythonModel:
         self.drain.close()
         self.loop.stop()
         self.loop.thread.join(timeout=300)
+        self.gen.close()  # tensor-parallel worker processes, if any
 
