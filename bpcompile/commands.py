@@ -15,6 +15,21 @@ from bpcompile.core.errors import UserError
 from bpcompile.core.store import engine_version_dir
 
 
+def _device(value: str) -> str:
+    """A torch device string, checked before any model is loaded (exit 2 naming the option)."""
+    import torch
+
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        raise UserError(f"--device {value!r}: expected cpu, cuda or cuda:N", key="device") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {value!r}: expected cpu, cuda or cuda:N", key="device")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {value}: this machine's torch sees no CUDA device", key="device")
+    return value
+
+
 @click.command()
 @click.argument("engine", required=False)
 @click.option("--prompt", required=True, help="Prompt text.")
@@ -32,8 +47,11 @@ from bpcompile.core.store import engine_version_dir
 @click.option("--tp", type=click.IntRange(1), default=None,
               help="Tensor-parallel size: the engine's parallel.tp (default; one process per rank over gloo) or 1 "
                    "(its rank files merged into this process).")
+@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v),
+              help="Where the models run: cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True)
-def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, executor, tp, as_json):
+def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, executor, tp, device,
+             as_json):
     """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
     if url:
         from bpcompile.serving.client import generate_remote_cli
@@ -44,7 +62,8 @@ def generate(engine, prompt, max_tokens, tree, no_speculation, temperature, seed
         raise UserError("give an ENGINE (a version directory such as engines/tiny/1) or --url of a running server")
 
     generate_text(engine_version_dir(engine), prompt, max_tokens=max_tokens, tree=tree, no_speculation=no_speculation,
-                 temperature=temperature, seed=seed, json_out=as_json, chat=chat, executor=executor, tp=tp)
+                 temperature=temperature, seed=seed, json_out=as_json, chat=chat, executor=executor, tp=tp,
+                  device=device)
 
 
 def _lengths(ctx, param, value):
@@ -76,9 +95,11 @@ def _lengths(ctx, param, value):
               help="Greedy-continuation parity on this many prompts (0: skip).")
 @click.option("--parity-tokens", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v),
+              help="Where the models run: cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True)
 def eval_(engine, text, sequences, length, plans, passkey, passkey_trials, parity_prompts, parity_tokens, seed,
-          as_json):
+          device, as_json):
     """KV-cache fidelity of ENGINE: perplexity, top-1 agreement and attention error per KV format; optionally
     passkey retrieval and greedy-continuation parity against FP16 KV."""
     from bpcompile.eval.evaluate import evaluate_engine
@@ -86,7 +107,8 @@ def eval_(engine, text, sequences, length, plans, passkey, passkey_trials, parit
     click.echo(evaluate_engine(engine_version_dir(engine), json_out=as_json, text=text, n=sequences, length=length,
                                plans=[p.strip() for p in plans.split(",") if p.strip()] if plans else None,
                                passkey_lengths=passkey, passkey_trials=passkey_trials,
-                               parity_prompts=parity_prompts, parity_tokens=parity_tokens, seed=seed))
+                               parity_prompts=parity_prompts, parity_tokens=parity_tokens, seed=seed,
+                               device=device))
 
 
 COMMANDS: list = [generate, eval_]
@@ -102,7 +124,7 @@ except ImportError:  # pragma: no cover - only while the serving package is abse
 def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Optional[str] = None,
                  no_speculation: bool = False, temperature: float = 0.0, seed: Optional[int] = None,
                  json_out: bool = False, chat: bool = True, executor: Optional[str] = None,
-                 tp: Optional[int] = None) -> dict:
+                 tp: Optional[int] = None, device: str = "cpu") -> dict:
     """`bpcompile generate`: stream tokens to stdout as they come, statistics at the end."""
     from tokenizers import Tokenizer
 
@@ -121,7 +143,7 @@ def generate_text(engine_dir, prompt_text: str, max_tokens: int = 64, tree: Opti
         eos = eos.get("content") if isinstance(eos, dict) else eos
         end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
-    gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp)
+    gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp, device=device)
     try:
         return _generate(gen, d, tok, prompt_text, max_tokens, temperature, seed, end_id, json_out, chat)
     finally:

@@ -296,7 +296,7 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     cfg = KVCalibConfig.from_dict(kv_cache_cfg)
     cal = dict(calibration_cfg or {})
     n, length = int(cal.get("samples", 16)), int(cal.get("length", 128))
-    verifier = Llama.from_checkpoint(verifier_ckpt_dir)
+    verifier = Llama.from_checkpoint(verifier_ckpt_dir, dtype=None)  # the recipe's dtype
     if cfg.format == "int4-fp8-outlier":
         if calibration_file:
             samples = text_file_samples(tokenizer_dir, calibration_file, n, length)

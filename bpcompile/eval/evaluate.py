@@ -361,7 +361,7 @@ def _pick(plans: dict, only) -> dict:
 def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: int = 16,
                            calib_length: int = 128, text=None, plans=None, passkey_lengths=(),
                            passkey_trials: int = 100, parity_prompts: int = 0, parity_tokens: int = 64,
-                           parity_prompt_tokens: int = 32, seed: int = 0) -> dict:
+                           parity_prompt_tokens: int = 32, seed: int = 0, device: str = "cpu") -> dict:
     """Fidelity report of an engine version: its own KV plan next to FP16, FP8, naive INT4 and the
     INT4+FP8 sweep over outlier fractions (calibrated here with the engine's group size), on `text`
     (a file; default the builtin held-out split). `plans` restricts the rows (names or 'engine');
@@ -375,7 +375,7 @@ def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: 
     docs, what = _text(text)
     tok = engine_dir / "tokenizer" / "tokenizer.json"
     windows = text_windows(tok, docs, length, n, seed, "eval text")  # a bad text fails before any model work
-    verifier = Llama.from_checkpoint(engine_dir / "verifier")
+    verifier = Llama.from_checkpoint(engine_dir / "verifier", dtype=None).to(device)  # the recipe's dtype
     plan_dir = engine_dir / "kv_plan"
     own = KVPlan.load(plan_dir) if (plan_dir / "plan.json").exists() else None
     gs = own.group_size if own is not None else 64

@@ -103,7 +103,8 @@ class Generator:
         """Load engine_dir/verifier, engine_dir/draft (converted checkpoints), the engine config
         (engine.json: speculative tree, limits, KV page size and format, executor) and, unless a factory is
         given, the verifier's KV plan in engine_dir/kv_plan (float cache without one). executor overrides the
-        engine's runtime.executor; onnxruntime runs the graphs in engine_dir/onnx.
+        engine's runtime.executor; onnxruntime runs the graphs in engine_dir/onnx. The models compute in their
+        checkpoints' dtype (the recipe's models.*.dtype).
 
         tp: tensor-parallel size to run at: 1 merges the rank files into one process; the checkpoint's own tp
         runs one process per rank (runtime/tp.py; call `close()` to stop them). Default: the engine's
@@ -155,8 +156,8 @@ class Generator:
 
             group, procs = tensor_parallel.launch(d, tp, {"tree": asdict(tree), "device": device})
         try:
-            load = (lambda role: Llama.from_rank(d / role, _rank, tp, group)) if tp > 1 else \
-                (lambda role: Llama.from_checkpoint(d / role))
+            load = (lambda role: Llama.from_rank(d / role, _rank, tp, group, dtype=None)) if tp > 1 else \
+                (lambda role: Llama.from_checkpoint(d / role, dtype=None))
             verifier = load("verifier")
             draft = load("draft") if tree.kind != "none" else None
             gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
