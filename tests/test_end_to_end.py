@@ -45,7 +45,7 @@ def test_tiny_build_holds_every_artifact(engine):
     for k in kj["kernels"]:
         assert (v / "kernels" / k["files"]["cubin"]["path"]).stat().st_size > 0
     assert (d / "triton_repo" / "ensemble" / "config.pbtxt").is_file()
-    assert (d / "triton_repo" / "generator" / "1").is_dir()
+    assert (d / "triton_repo" / "tensorrt_llm" / "1").is_dir()
 
 
 def test_eval_and_generate_on_the_built_engine(engine):

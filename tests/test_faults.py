@@ -99,20 +99,20 @@ def served(root: Path) -> list[int]:
     repo = root / "repo"
     assert not (repo / JOURNAL).exists() and staged(repo) == []
     per = {m: sorted(int(p.name) for p in (repo / m).iterdir() if p.name.isdigit()) for m in VERSIONED}
-    assert per["preprocessing"] == per["postprocessing"] == per["generator"], per
+    assert per["preprocessing"] == per["postprocessing"] == per["tensorrt_llm"], per
     for m in VERSIONED + ("ensemble",):
         read_config(repo / m / "config.pbtxt")
-    for v in per["generator"]:
+    for v in per["tensorrt_llm"]:
         store_v = root / "engines" / "tiny" / str(v)
         manifest = json.loads((store_v / "manifest.json").read_text())
-        src = json.loads((repo / "generator" / str(v) / "engine_source.json").read_text())
+        src = json.loads((repo / "tensorrt_llm" / str(v) / "engine_source.json").read_text())
         assert src["build_id"] == manifest["build_id"]
-        copy = repo / "generator" / str(v) / "engine"
+        copy = repo / "tensorrt_llm" / str(v) / "engine"
         assert all(sha256_file(copy / f) == a["sha256"] for f, a in manifest["artifacts"].items())
         for m in ("preprocessing", "postprocessing"):
             assert (repo / m / str(v) / "tokenizer" / "tokenizer.json").read_bytes() == \
                 (store_v / "tokenizer" / "tokenizer.json").read_bytes()
-    return per["generator"]
+    return per["tensorrt_llm"]
 
 
 def build_cmd(recipe: Path, *args) -> list[str]:
@@ -197,7 +197,7 @@ def test_kill_and_full_disk_leave_only_complete_versions(tmp_path, disk):
     killed_at("switch", recipe, "--force")
     assert listed(root / "engines") == [1, 2, 3]
     assert (repo / JOURNAL).is_file() and (repo / "preprocessing" / "3").is_dir()
-    assert not (repo / "generator" / "3").exists()
+    assert not (repo / "tensorrt_llm" / "3").exists()
 
     # --- disk full while converting: no version, no staging left
     preexec, undo = disk.limited(4 * MB)

@@ -184,9 +184,9 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
 
     # model control none: the repository API can neither load code nor unload what is served
     assert s.status("/v2/repository/models/evil/load", _evil_load_body(evil_ran)) >= 400
-    assert s.status("/v2/repository/models/generator/unload", {}) >= 400
+    assert s.status("/v2/repository/models/tensorrt_llm/unload", {}) >= 400
     assert not evil_ran.exists()
-    assert s.status("/v2/models/generator/ready") == 200
+    assert s.status("/v2/models/tensorrt_llm/ready") == 200
     assert generate_remote(f"127.0.0.1:{s.grpc}", "Hello", 4)["tokens"] == 4
 
     results, started, threads = _stream(s.grpc, 4, 400)
@@ -223,18 +223,18 @@ def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(
     body = _evil_load_body(evil_ran)
     assert s.status("/v2/repository/models/evil/load", body) == 403
     assert s.status("/v2/repository/models/evil/load", body, {"bpcompile-repository-token": "x" * 32}) == 403
-    assert s.status("/v2/repository/models/generator/unload", {}) == 403
+    assert s.status("/v2/repository/models/tensorrt_llm/unload", {}) == 403
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc}")
     with pytest.raises(InferenceServerException):
-        c.unload_model("generator")
+        c.unload_model("tensorrt_llm")
     with pytest.raises(InferenceServerException):
         c.load_model("evil", config=body["parameters"]["config"],
                      files={"file:1/model.py": EVIL_MODEL.format(marker=str(evil_ran)).encode()})
     c.close()
-    assert not evil_ran.exists() and s.status("/v2/models/generator/ready") == 200
+    assert not evil_ran.exists() and s.status("/v2/models/tensorrt_llm/ready") == 200
     # with the token the API answers (explicit mode is on; the restriction is the token)
     idx = {m["name"]: m.get("state") for m in repository_index(f"127.0.0.1:{s.http}", token=token)}
-    assert idx["generator"] == "READY"
+    assert idx["tensorrt_llm"] == "READY"
 
     os.kill(s.triton_pid, signal.SIGKILL)  # tritonserver dies under serve: a supervisor must see it
     assert s.wait(60) == 1, s.stderr()

@@ -50,7 +50,7 @@ def server(engines, tmp_path_factory):
     emit_repository([(1, engines[1])], repo)
     s = ServerProcess(repo, model_control="explicit", log_file=repo.parent / "server.log", startup_timeout=240)
     with s:
-        s.repo = repo
+        s.repo, s.engines = repo, engines
         yield s
     assert s.proc.returncode == 0, (s.proc.returncode, s.log_tail())  # SIGTERM -> clean shutdown
 
@@ -171,6 +171,66 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
     assert generate_remote(url, PROMPTS[0], MAX_TOKENS)["token_ids"] == reference[PROMPTS[0]]  # still serving
 
 
+def inflight_client_request(url, ids, n, *, stream, **extra):
+    """A request shaped as tensorrtllm_backend's inflight_batcher_llm_client.py shapes it: to the model named
+    tensorrt_llm, its prepare_inputs' ten default inputs as [1, N] / [1, 1] arrays (temperature 1.0 and top-k 1 as
+    its flags default, end_id -1 = none, pad_id 50256), all outputs. Returns its callback's view: per response
+    output_ids[0][0] and sequence_length[0][0]."""
+    import queue as q
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[n]], np.int32), "beam_width": np.array([[1]], np.int32),
+              "temperature": np.array([[1.0]], np.float32), "streaming": np.array([[stream]], dtype=bool),
+              "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[50256]], np.int32),
+              "runtime_top_k": np.array([[1]], np.int32), "runtime_top_p": np.array([[0.0]], np.float32), **extra}
+    tensors = []
+    for k, v in inputs.items():
+        t = grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype))
+        t.set_data_from_numpy(v)
+        tensors.append(t)
+    done: q.Queue = q.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: done.put(error or result))
+    client.async_stream_infer("tensorrt_llm", tensors, request_id="1")
+    client.stop_stream()
+    client.close()
+    out = []
+    while not done.empty():
+        r = done.get()
+        if isinstance(r, Exception):
+            raise RemoteError(str(r))
+        ids_, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
+        assert ids_.shape[:2] == (1, 1) and lens.shape == (1, 1) and r.as_numpy("batch_index")[0][0] == 0
+        out.append((list(ids_[0][0]), int(lens[0][0])))
+    return out
+
+
+def test_inflight_batcher_llm_client_requests(server, tokenizer):
+    """tensorrtllm_backend's own low-level client talks token ids to `tensorrt_llm`: non-streamed, one response
+    with the prompt then the generated tokens (exclude_input_in_output false) or the generated ones only;
+    streamed, the generated tokens over several responses. top-k 1 = the runtime's greedy output."""
+    from bpcompile.runtime.generator import Generator, SamplingParams
+
+    gen = Generator.from_engine(server.engines[1])
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS[:3]]
+    want = [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=16))]
+    for ids, w in zip(prompts, want):
+        (got, n), = inflight_client_request(server.grpc_url, ids, 16, stream=False)
+        assert got == w and n == 16
+        (got, n), = inflight_client_request(server.grpc_url, ids, 16, stream=False,
+                                            exclude_input_in_output=np.array([[False]]))
+        assert got == ids + w and n == len(ids) + 16
+        parts = inflight_client_request(server.grpc_url, ids, 16, stream=True)
+        assert len(parts) > 1 and [t for p, _ in parts for t in p] == w and all(len(p) == k for p, k in parts)
+    for name, value in {"draft_input_ids": np.array([[5, 6]], np.int32), "stop": np.array([[True]]),
+                        "runtime_top_p_decay": np.array([[0.5]], np.float32)}.items():
+        with pytest.raises(RemoteError, match=name):
+            inflight_client_request(server.grpc_url, prompts[0], 4, stream=False, **{name: value})
+
+
 def test_sixteen_concurrent_clients(server, reference):
     results, errors = {}, []
 
@@ -226,8 +286,8 @@ def test_malformed_requests_get_clear_errors(server):
         "invalid utf-8": ([text(b"\xff\xfe\xfa"), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
                           "not valid UTF-8"),
         "bad_words": ([text(b"hi"), ("bad_words", np.array([[b"foo"]], dtype=object), "BYTES")], "bad_words"),
-        "top_p 0": ([text(b"hi"), ("top_p", np.array([[0.0]], dtype=np.float32), "FP32")], "top_p"),
-        "top_p nan": ([text(b"hi"), ("top_p", np.array([[np.nan]], dtype=np.float32), "FP32")], "top_p must be in (0, 1]"),
+        "top_p 1.5": ([text(b"hi"), ("top_p", np.array([[1.5]], dtype=np.float32), "FP32")], "top_p"),
+        "top_p nan": ([text(b"hi"), ("top_p", np.array([[np.nan]], dtype=np.float32), "FP32")], "top_p must be in [0, 1]"),
         **{f"temperature {v}": ([text(b"hi"), ("temperature", np.array([[v]], dtype=np.float32), "FP32")],
                                 "temperature must be a finite number >= 0") for v in (np.nan, np.inf, -1.0)},
         "stop_words not UTF-8": ([text(b"hi"), ("stop_words", np.array([[b"ok", b"\xff\xfeend"]], dtype=object), "BYTES")],
@@ -235,7 +295,7 @@ def test_malformed_requests_get_clear_errors(server):
         "10 MB prompt": ([text(b"word " * (2 << 20)), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
                          "text_input is 10485760 bytes, more than this engine can take"),
     }
-    for model in ("ensemble", "generator"):  # the generator takes the ensemble's requests too
+    for model in ("ensemble", "tensorrt_llm"):  # the generator takes the ensemble's requests too
         for what, (inputs, expect) in cases.items():
             t0 = time.monotonic()
             err = _grpc_raw(server, inputs, model)
@@ -264,7 +324,7 @@ def test_cancellation_stops_generation(server):
         t = g.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         ins.append(t)
-    c.async_stream_infer("generator", ins, request_id="to-cancel", enable_empty_final_response=True)
+    c.async_stream_infer("tensorrt_llm", ins, request_id="to-cancel", enable_empty_final_response=True)
     result, error = c._bp_queue.get(timeout=60)
     assert error is None
     c.stop_stream(cancel_requests=True)
@@ -284,11 +344,11 @@ def test_generator_takes_the_ensemble_request(server, reference, tokenizer):
     cancellation and disconnects reach the generation loop): same inputs, same outputs, same tokens and text."""
     for p in PROMPTS[:3]:
         for stream in (True, False):
-            r = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=stream, model="generator")
+            r = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=stream, model="tensorrt_llm")
             assert r["token_ids"] == reference[p] and r["text"] == tokenizer.decode(reference[p]), (p, stream)
             assert r["out_of_order"] == 0 and r["engine_version"] == 1 and r["finish_reason"] in ("length", "stop")
             assert (r["responses"] > 1) == stream and r["total_draft_tokens"] > 0
-    h = generate_remote(server.http_url, PROMPTS[2], MAX_TOKENS, stream=True, protocol="http", model="generator")
+    h = generate_remote(server.http_url, PROMPTS[2], MAX_TOKENS, stream=True, protocol="http", model="tensorrt_llm")
     assert h["token_ids"] == reference[PROMPTS[2]] and h["text"] == tokenizer.decode(reference[PROMPTS[2]])
 
 
@@ -320,7 +380,7 @@ def test_new_version_is_picked_up_old_answers_until_unloaded(server, engines, re
     assert new["engine_version"] == 2 and new["token_ids"] == reference[p]  # same weights in both versions
     assert inflight["engine_version"] == 1 and inflight["finish_reason"] in ("length", "stop")
     idx = {(m["name"], m["version"]): m["state"] for m in repository_index(url, token=tok)}
-    assert idx[("generator", "2")] == "READY" and idx.get(("generator", "1")) != "READY"
+    assert idx[("tensorrt_llm", "2")] == "READY" and idx.get(("tensorrt_llm", "1")) != "READY"
 
     set_version_policy(server.repo, {"specific": [1]})  # rollback
     load_version(url, token=tok)

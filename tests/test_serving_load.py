@@ -48,7 +48,7 @@ clients = []
 for i in range(n):
     c = _grpc_client(url)
     fields = _request_fields(f"Story number {i}:", max_tokens, True, 0, 0, 1.0, None, None, None)
-    c.async_stream_infer("generator", _grpc_inputs(fields), request_id=f"killed-{i}")
+    c.async_stream_infer("tensorrt_llm", _grpc_inputs(fields), request_id=f"killed-{i}")
     clients.append(c)
 for c in clients:
     result, error = c._bp_queue.get(timeout=120)
@@ -101,7 +101,7 @@ def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_
 
     for _ in range(2):
         normal()  # first requests pay one-time costs
-    ref = {p: generate_remote(s.grpc_url, p, LIVE_TOKENS, model="generator")["token_ids"] for p in LIVE}
+    ref = {p: generate_remote(s.grpc_url, p, LIVE_TOKENS, model="tensorrt_llm")["token_ids"] for p in LIVE}
     solo = statistics.median(normal() for _ in range(3))
 
     ready = tmp_path / "ready"
@@ -115,7 +115,7 @@ def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_
 
         def stream(i: int):
             try:
-                live[i] = generate_remote(s.grpc_url, LIVE[i % len(LIVE)], LIVE_TOKENS, model="generator",
+                live[i] = generate_remote(s.grpc_url, LIVE[i % len(LIVE)], LIVE_TOKENS, model="tensorrt_llm",
                                           timeout=120)
             except Exception as e:  # reported below
                 errors.append(repr(e))
@@ -153,7 +153,7 @@ def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_
         except RemoteError as e:
             refusals.append((str(e), time.monotonic() - t0))
 
-    attackers = [threading.Thread(target=huge, args=(m,)) for m in ("ensemble", "generator") * 2]
+    attackers = [threading.Thread(target=huge, args=(m,)) for m in ("ensemble", "tensorrt_llm") * 2]
     for t in attackers:
         t.start()
     time.sleep(0.2)  # the prompts are on their way

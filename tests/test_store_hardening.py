@@ -113,7 +113,7 @@ def test_a_new_or_placeholder_only_directory_becomes_bpcompiles(tmp_path, pair):
     (repo / "README.md").write_text("Build output\n")
     assert cli("build", recipe_with(tmp_path, pair, EMIT, repo=repo)).exit_code == 0
     assert json.loads((repo / MARKER).read_text()) == {"engine": "t"}
-    assert (repo / "README.md").read_text() == "Build output\n" and repo_versions(repo)["generator"] == [1]
+    assert (repo / "README.md").read_text() == "Build output\n" and repo_versions(repo)["tensorrt_llm"] == [1]
 
 
 @pytest.mark.parametrize("where", ["same", "repo-in-store", "store-in-repo"])
@@ -133,7 +133,7 @@ def test_one_engine_name_per_repository(tmp_path, pair):
     assert r.exit_code == 2 and "'t'" in r.stderr and "one engine name per repository" in r.stderr, r.output
     assert [v.version for v in EngineStore(tmp_path / "engines").versions("u")] == [1]
     assert repo_versions(repo) == {m: [1] for m in VERSIONED}
-    src = json.loads((repo / "generator" / "1" / "engine_source.json").read_text())
+    src = json.loads((repo / "tensorrt_llm" / "1" / "engine_source.json").read_text())
     assert src["name"] == "t" and src["build_id"] == t.build_id
 
 
@@ -146,7 +146,7 @@ def test_half_published_version_is_repaired_not_reported_up_to_date(tmp_path, pa
     repo = tmp_path / "triton_repo"
     build(recipe)
     v2 = build(recipe, force=True)
-    shutil.rmtree(repo / "generator" / "2")
+    shutil.rmtree(repo / "tensorrt_llm" / "2")
     lines = []
     from bpcompile.build.pipeline import Reporter
 
@@ -154,7 +154,7 @@ def test_half_published_version_is_repaired_not_reported_up_to_date(tmp_path, pa
     assert not out.created and out.version == 2
     assert any("removed version 2" in x for x in lines), lines
     assert repo_versions(repo) == {m: [1, 2] for m in VERSIONED}
-    assert json.loads((repo / "generator" / "2" / "engine_source.json").read_text())["build_id"] == v2.build_id
+    assert json.loads((repo / "tensorrt_llm" / "2" / "engine_source.json").read_text())["build_id"] == v2.build_id
 
 
 def _stand_in_engine(root: Path, v: int, tok: Path) -> Path:

@@ -21,7 +21,7 @@ from bpcompile.serving.protocol import context_window, delta_text, pack_words, u
 from conftest import write_engine_config  # noqa: E402
 
 TINY_TOK = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
-MODELS = ("ensemble", "preprocessing", "generator", "postprocessing")
+MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
 
 
 def engine_dir(root: Path, version: int, target: str = "native", **recipe) -> Path:
@@ -98,7 +98,7 @@ def test_every_config_parses_and_round_trips(repo):
 def test_native_repository_layout_and_semantics(repo):
     cfgs = configs(repo)
     check_wiring(cfgs)
-    g, post = cfgs["generator"], cfgs["postprocessing"]
+    g, post = cfgs["tensorrt_llm"], cfgs["postprocessing"]
     assert g.backend == "python" and g.model_transaction_policy.decoupled
     assert cfgs["ensemble"].platform == "ensemble" and not cfgs["ensemble"].instance_group
     assert [i.count for i in post.instance_group] == [1]  # response order (emit.py)
@@ -109,12 +109,12 @@ def test_native_repository_layout_and_semantics(repo):
     outs = {o.name for o in cfgs["ensemble"].output}
     assert {"text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
             "tokens_per_step"} <= outs
-    for m in ("preprocessing", "generator", "postprocessing"):
+    for m in ("preprocessing", "tensorrt_llm", "postprocessing"):
         assert (repo / m / "1" / "model.py").is_file()
-    assert (repo / "generator" / "1" / "engine" / "verifier" / "config.json").is_file()  # a copy
-    assert not (repo / "generator" / "1" / "engine").is_symlink()
+    assert (repo / "tensorrt_llm" / "1" / "engine" / "verifier" / "config.json").is_file()  # a copy
+    assert not (repo / "tensorrt_llm" / "1" / "engine").is_symlink()
     assert (repo / "preprocessing" / "1" / "tokenizer" / "tokenizer.json").is_file()
-    assert json.loads((repo / "generator" / "1" / "engine_source.json").read_text())["build_id"] == "b1"
+    assert json.loads((repo / "tensorrt_llm" / "1" / "engine_source.json").read_text())["build_id"] == "b1"
     assert (repo / "ensemble" / "1").is_dir()
 
 
@@ -132,6 +132,31 @@ def test_ensemble_takes_every_input_of_the_backends_ensemble(repo):
     check_wiring(configs(repo))
 
 
+def test_generator_is_the_backends_tensorrt_llm_model(repo):
+    """tensorrtllm_backend's repository has models ensemble, preprocessing, tensorrt_llm and postprocessing; its
+    clients talk to tensorrt_llm directly with its inputs and read its outputs. Every one of them (the checked-in
+    table transcribed from its config.pbtxt) is declared by the emitted tensorrt_llm model with the same type and
+    dims."""
+    table = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_tensorrt_llm.json").read_text())
+    assert set(table["repository_models"]) <= {p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file()}
+    g = configs(repo)[table["model"]]
+    assert g.name == table["model"] and g.model_transaction_policy.decoupled
+    for kind, declared in (("inputs", g.input), ("outputs", g.output)):
+        got = {i.name: (mc.DataType.Name(i.data_type), list(i.dims)) for i in declared}
+        missing = [t["name"] for t in table[kind] if t["name"] not in got]
+        assert not missing, (kind, missing)
+        for t in table[kind]:
+            assert got[t["name"]] == (t["data_type"], t["dims"]), (kind, t["name"])
+    assert all(i.optional for i in g.input)  # each interface sends a subset
+
+
+def test_a_repository_of_an_earlier_layout_is_refused(repo, tmp_path):
+    """Repositories emitted before the generating model took the backend's name had it as `generator`."""
+    shutil.move(repo / "tensorrt_llm", repo / "generator")
+    with pytest.raises(UserError, match="earlier bpcompile"):
+        emit_repository([(2, engine_dir(tmp_path / "engines", 2))], repo)
+
+
 def test_broken_wiring_is_detected(repo):
     """The wiring check itself can fail: drop a mapping and it must say so."""
     cfgs = configs(repo)
@@ -147,11 +172,11 @@ def test_tensorrt_llm_target(tmp_path):
     emit_repository([(3, e)], repo)
     cfgs = configs(repo)
     check_wiring(cfgs)
-    g = cfgs["generator"]
+    g = cfgs["tensorrt_llm"]
     p = {k: v.string_value for k, v in g.parameters.items()}
     assert g.backend == "tensorrtllm" and g.model_transaction_policy.decoupled
     assert p["gpt_model_type"] == "inflight_fused_batching"
-    assert p["gpt_model_path"] == str((repo / "generator" / "3" / "engine" / "trtllm" / "verifier").resolve())
+    assert p["gpt_model_path"] == str((repo / "tensorrt_llm" / "3" / "engine" / "trtllm" / "verifier").resolve())
     assert float(p["kv_cache_free_gpu_mem_fraction"]) == 0.9
     assert p["batch_scheduler_policy"] in ("guaranteed_no_evict", "max_utilization")
     assert p["decoupled_mode"] == "true" and p["max_beam_width"] == "1"
@@ -162,8 +187,8 @@ def test_tensorrt_llm_target(tmp_path):
     assert cfgs["postprocessing"].parameters["input_format"].string_value == "trtllm"
     # a new version re-points the engine path (the C++ backend ignores version directories)
     add_version(repo, 4, engine_dir(tmp_path / "engines", 4, target="tensorrt-llm"))
-    g = read_config(repo / "generator" / "config.pbtxt")
-    assert g.parameters["gpt_model_path"].string_value.endswith("generator/4/engine/trtllm/verifier")
+    g = read_config(repo / "tensorrt_llm" / "config.pbtxt")
+    assert g.parameters["gpt_model_path"].string_value.endswith("tensorrt_llm/4/engine/trtllm/verifier")
 
 
 def test_add_version_leaves_served_configs_alone(repo, tmp_path):
@@ -181,12 +206,12 @@ def test_add_version_leaves_served_configs_alone(repo, tmp_path):
 def test_version_policies_and_rollback(repo, tmp_path):
     add_version(repo, 2, engine_dir(tmp_path / "engines", 2))
     set_version_policy(repo, {"specific": [1]})
-    for m in ("preprocessing", "generator", "postprocessing"):
+    for m in ("preprocessing", "tensorrt_llm", "postprocessing"):
         assert list(read_config(repo / m / "config.pbtxt").version_policy.specific.versions) == [1]
     set_version_policy(repo, "all")
-    assert read_config(repo / "generator" / "config.pbtxt").version_policy.HasField("all")
+    assert read_config(repo / "tensorrt_llm" / "config.pbtxt").version_policy.HasField("all")
     set_version_policy(repo, {"latest": 2})
-    assert read_config(repo / "generator" / "config.pbtxt").version_policy.latest.num_versions == 2
+    assert read_config(repo / "tensorrt_llm" / "config.pbtxt").version_policy.latest.num_versions == 2
     with pytest.raises(UserError, match="does not have"):
         set_version_policy(repo, {"specific": [7]})
     with pytest.raises(UserError, match="version_policy"):
@@ -197,7 +222,7 @@ def test_emit_reads_recipe_and_refuses_overwrite(tmp_path):
     e = engine_dir(tmp_path / "engines", 1, triton={"version_policy": {"specific": [1]}, "generator_instances": 2},
                    limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128})
     s = emit_repository([(1, e)], tmp_path / "repo", tree={"kind": "none"})
-    g = read_config(tmp_path / "repo" / "generator" / "config.pbtxt")
+    g = read_config(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt")
     assert s["max_batch_size"] == 4 and g.max_batch_size == 4 and g.instance_group[0].count == 2
     assert list(g.version_policy.specific.versions) == [1]
     assert json.loads(g.parameters["tree"].string_value) == {"kind": "none"}
@@ -218,12 +243,12 @@ def test_publish_version_emits_then_adds_idempotently(tmp_path):
 def test_emit_writes_only_into_a_directory_it_owns(tmp_path):
     e = engine_dir(tmp_path / "engines", 1)
     theirs = tmp_path / "theirs"
-    (theirs / "generator" / "7").mkdir(parents=True)
-    (theirs / "generator" / "7" / "model.py").write_text("# someone else's")
+    (theirs / "tensorrt_llm" / "7").mkdir(parents=True)
+    (theirs / "tensorrt_llm" / "7" / "model.py").write_text("# someone else's")
     with pytest.raises(UserError, match="not created by bpcompile"):
         emit_repository([(1, e)], theirs, overwrite=True)
-    assert (theirs / "generator" / "7" / "model.py").read_text() == "# someone else's"
-    assert [p.name for p in theirs.iterdir()] == ["generator"]
+    assert (theirs / "tensorrt_llm" / "7" / "model.py").read_text() == "# someone else's"
+    assert [p.name for p in theirs.iterdir()] == ["tensorrt_llm"]
     # inside the engine store (or the store inside the repository): refused, nothing written
     for bad in (tmp_path / "engines", tmp_path / "engines" / "repo", tmp_path):
         with pytest.raises(UserError, match="overlaps the engine store"):
@@ -235,7 +260,7 @@ def test_emit_writes_only_into_a_directory_it_owns(tmp_path):
     other = engine_dir(tmp_path / "other", 2, name="other")
     with pytest.raises(UserError, match="one engine name per repository"):
         add_version(mine, 2, other)
-    assert not (mine / "generator" / "2").exists()
+    assert not (mine / "tensorrt_llm" / "2").exists()
 
 
 def test_bad_version_policy_writes_nothing(tmp_path):
@@ -260,7 +285,7 @@ def test_a_version_missing_from_one_model_is_not_already_present(tmp_path):
     e1, e2 = engine_dir(tmp_path / "engines", 1), engine_dir(tmp_path / "engines", 2)
     publish_version(repo, e1, 1)
     publish_version(repo, e2, 2)
-    shutil.rmtree(repo / "generator" / "2")
+    shutil.rmtree(repo / "tensorrt_llm" / "2")
     out = publish_version(repo, e2, 2)
     assert out["note"] != "already present" and out["versions"] == [1, 2]
     assert any("removed version 2" in x for x in out["repaired"])
@@ -279,10 +304,10 @@ def test_a_switch_killed_halfway_is_finished_by_repair(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(repo), str(e2)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "BPCOMPILE_FAULT_AT": "switch"})
     assert r.returncode == -9, r.stderr
-    assert (repo / "preprocessing" / "2").is_dir() and not (repo / "generator" / "2").exists()
+    assert (repo / "preprocessing" / "2").is_dir() and not (repo / "tensorrt_llm" / "2").exists()
     assert any("finished an interrupted switch" in x for x in emit.repair_repository(repo))
     assert emit._versions(repo) == [1, 2]
-    assert json.loads((repo / "generator" / "2" / "engine_source.json").read_text())["build_id"] == "b2"
+    assert json.loads((repo / "tensorrt_llm" / "2" / "engine_source.json").read_text())["build_id"] == "b2"
     assert not [p for m in MODELS for p in (repo / m).iterdir() if p.name.startswith(".")]
     assert emit.repair_repository(repo) == []
 

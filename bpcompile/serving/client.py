@@ -7,7 +7,7 @@ streamed, /generate_stream (server-sent events); HTTP /infer also refuses decoup
 Responses are reassembled by `response_index`, so text stays right even if a transport reordered them;
 `out_of_order` counts the responses that arrived after a later one (0 is what the repository guarantees).
 
-model="generator" sends the same request to the generator model itself (native target), which answers it with
+model="tensorrt_llm" sends the same request to the generator model (tensorrt_llm) itself (native target), which answers it with
 the same outputs. Prefer it for streams that may be abandoned: cancelling (or losing the connection) stops
 the generation there within one step, while through the ensemble tritonserver 2.51 lets it run to max_tokens
 (see bpcompile/serving/models/generator.py).
@@ -174,7 +174,7 @@ def _http_one(url: str, model: str, fields: dict, collector: _Collector, timeout
     def take(d: dict):
         if "error" in d:
             raise RemoteError(d["error"])
-        ids = d.get("output_ids", [])
+        ids = np.asarray(d.get("output_ids", []), dtype=np.int64).reshape(-1).tolist()  # a scalar when one token
         ids = ids if isinstance(ids, list) else [ids]
         collector.add(d.get("response_index"), d.get("text_output", ""), [int(i) for i in ids],
                       {k: d.get(k) for k in _Collector.STATS})
@@ -392,7 +392,7 @@ def repository_index(url: str, token: Optional[str] = None) -> list[dict]:
     return _post(url, "/v2/repository/index", token=token) or []
 
 
-def load_version(url: str, models=("preprocessing", "postprocessing", "generator"), token: Optional[str] = None) -> None:
+def load_version(url: str, models=("preprocessing", "postprocessing", "tensorrt_llm"), token: Optional[str] = None) -> None:
     """Make the server serve what the repository's version policy now names (after add_version or
     set_version_policy). The three versioned models are reloaded; the ensemble follows (steps use version -1)."""
     for m in models:

@@ -3,12 +3,12 @@
 Layout (native target):
 
     repo/
-      ensemble/config.pbtxt        platform "ensemble": preprocessing -> generator -> postprocessing
+      ensemble/config.pbtxt        platform "ensemble": preprocessing -> tensorrt_llm -> postprocessing
       ensemble/1/                  (an ensemble has no artifacts; its steps use model_version -1 = newest loaded)
       preprocessing/config.pbtxt   python backend
       preprocessing/<N>/           model.py + tokenizer/            (N = engine store version)
-      generator/config.pbtxt       python backend, decoupled
-      generator/<N>/               model.py + engine/ (a copy of engines/<name>/<N>/) + engine_source.json
+      tensorrt_llm/config.pbtxt    python backend, decoupled (tensorrtllm_backend's model name and interface)
+      tensorrt_llm/<N>/            model.py + engine/ (a copy of engines/<name>/<N>/) + engine_source.json
       postprocessing/config.pbtxt  python backend, ONE instance (response order, see below)
       postprocessing/<N>/          model.py + tokenizer/
       bpcompile_repository.json    what was emitted from where (for people and for add_version)
@@ -18,7 +18,7 @@ Layout (native target):
 Decisions:
 * Version directories are the engine store's version numbers, for the three models that carry a version's
   files; the same version policy is written into all three, so they always serve the same engine version.
-* The engine version is *copied* into generator/<N>/engine/: the repository is self-contained (it can be
+* The engine version is *copied* into tensorrt_llm/<N>/engine/: the repository is self-contained (it can be
   rsynced to a server, and the engine store can be cleaned without breaking what is served). The tiny pair is
   ~20 MB; for a 70B verifier pass `link=True` to symlink instead. engine_source.json names the origin and its
   build id either way.
@@ -64,7 +64,8 @@ except ImportError as e:  # pragma: no cover - the [serve] extra
     raise MissingDependency("emitting a Triton repository needs tritonclient (pip install 'bpcompile[serve]')") from e
 
 MODELS_DIR = Path(__file__).parent / "models"
-VERSIONED = ("preprocessing", "generator", "postprocessing")
+GENERATOR = "tensorrt_llm"  # the model that generates: tensorrtllm_backend's name for it
+VERSIONED = ("preprocessing", GENERATOR, "postprocessing")
 SUMMARY = "bpcompile_repository.json"
 T = mc.DataType
 
@@ -102,6 +103,42 @@ BACKEND_INPUTS = [
     ("lora_task_id", T.TYPE_UINT64, [1]), ("lora_weights", T.TYPE_FP16, [-1, -1]),
     ("lora_config", T.TYPE_INT32, [-1, 3]), ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
     ("guided_decoding_guide", T.TYPE_STRING, [1]),
+]
+# tensorrtllm_backend's `tensorrt_llm` model (its inflight_batcher_llm tensorrt_llm/config.pbtxt, TensorRT-LLM 1.2
+# line; templated types at their defaults: FP16 tables, FP32 logits), beyond what the generator takes already.
+# Its clients (inflight_batcher_llm_client.py) send them to the model by this name; protocol.backend_options
+# honours, ignores or refuses each per request. tests/data/tensorrtllm_backend_tensorrt_llm.json is the backend's
+# own list, compared with what is emitted.
+TENSORRT_LLM_INPUTS = [
+    ("encoder_input_features", T.TYPE_FP16, [-1, -1]), ("encoder_output_lengths", T.TYPE_INT32, [1]),
+    ("draft_input_ids", T.TYPE_INT32, [-1]), ("decoder_input_ids", T.TYPE_INT32, [-1]),
+    ("decoder_input_lengths", T.TYPE_INT32, [1]), ("draft_logits", T.TYPE_FP32, [-1, -1]),
+    ("draft_acceptance_threshold", T.TYPE_FP32, [1]), ("embedding_bias", T.TYPE_FP32, [-1]),
+    ("runtime_top_p_min", T.TYPE_FP32, [1]), ("runtime_top_p_decay", T.TYPE_FP32, [1]),
+    ("runtime_top_p_reset_ids", T.TYPE_INT32, [1]), ("len_penalty", T.TYPE_FP32, [1]),
+    ("early_stopping", T.TYPE_BOOL, [1]), ("beam_search_diversity_rate", T.TYPE_FP32, [1]),
+    ("stop", T.TYPE_BOOL, [1]), ("prompt_table_extra_ids", T.TYPE_UINT64, [-1]),
+    ("cross_attention_mask", T.TYPE_BOOL, [-1, -1]), ("mrope_rotary_cos_sin", T.TYPE_FP32, [-1]),
+    ("mrope_position_deltas", T.TYPE_INT64, [1]), ("context_phase_params", T.TYPE_UINT8, [-1]),
+    ("skip_cross_attn_blocks", T.TYPE_BOOL, [1]), ("retention_token_range_starts", T.TYPE_INT32, [-1]),
+    ("retention_token_range_ends", T.TYPE_INT32, [-1]), ("retention_token_range_priorities", T.TYPE_INT32, [-1]),
+    ("retention_token_range_durations_ms", T.TYPE_INT32, [-1]), ("retention_decode_priority", T.TYPE_INT32, [1]),
+    ("retention_decode_duration_ms", T.TYPE_INT32, [1]), ("lookahead_window_size", T.TYPE_INT32, [1]),
+    ("lookahead_ngram_size", T.TYPE_INT32, [1]), ("lookahead_verification_set_size", T.TYPE_INT32, [1]),
+]
+# Its outputs: the ones a request always gets from the native generator first (output_ids [beam, tokens] with one
+# beam, sequence_length, batch_index, sequence_index, token counts), then those it declares but never sends
+# (log probs, logits, disaggregated-serving and KV-cache statistics, timings: their requests are refused).
+TENSORRT_LLM_OUTPUTS = [
+    ("output_ids", T.TYPE_INT32, [-1, -1]), ("sequence_length", T.TYPE_INT32, [-1]),
+    ("batch_index", T.TYPE_INT32, [1]), ("sequence_index", T.TYPE_INT32, [1]),
+    ("num_input_tokens", T.TYPE_INT32, [1]), ("num_output_tokens", T.TYPE_INT32, [1]),
+    ("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1]),
+    ("context_logits", T.TYPE_FP32, [-1, -1]), ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
+    ("context_phase_params", T.TYPE_UINT8, [-1]), ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_reused_blocks", T.TYPE_INT32, [1]), ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
+    ("arrival_time_ns", T.TYPE_INT64, [1]), ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
+    ("first_token_time_ns", T.TYPE_INT64, [1]), ("last_token_time_ns", T.TYPE_INT64, [1]),
 ]
 STATS = [  # generator -> postprocessing -> client, unchanged; the first three are TRT-LLM's names
     ("acceptance_rate", T.TYPE_FP32), ("total_accepted_draft_tokens", T.TYPE_INT32),
@@ -193,22 +230,25 @@ GENERATOR_INPUTS = [  # all optional: the generator tells its two interfaces apa
 # The generator also takes the ensemble's own requests (text in, text out; models/generator.py): only on a
 # request sent to the generator itself does a client's cancellation or disconnect reach the generation loop.
 GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in {g[0] for g in GENERATOR_INPUTS}]
-GENERATOR_TEXT_OUTPUTS = [("text_output", T.TYPE_STRING, [-1]), ("output_ids", T.TYPE_INT32, [-1]),
-                          ("response_index", T.TYPE_INT32, [1]), ("finish_reason", T.TYPE_STRING, [1])]
+GENERATOR_TEXT_OUTPUTS = [("text_output", T.TYPE_STRING, [-1]), ("response_index", T.TYPE_INT32, [1]),
+                          ("finish_reason", T.TYPE_STRING, [1])]
 
 
 def generator_config(max_batch_size: int, policy, instances: int = 1, device: str = "cpu",
                      tree: Optional[dict] = None) -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name="generator", backend="python", max_batch_size=max_batch_size,
+    cfg = mc.ModelConfig(name=GENERATOR, backend="python", max_batch_size=max_batch_size,
                          version_policy=version_policy_proto(policy))
     cfg.model_transaction_policy.decoupled = True
-    _inputs(cfg, GENERATOR_INPUTS + GENERATOR_TEXT_INPUTS + [(n, t, d, True) for n, t, d in BACKEND_INPUTS])
+    _inputs(cfg, GENERATOR_INPUTS + GENERATOR_TEXT_INPUTS
+            + [(n, t, d, True) for n, t, d in BACKEND_INPUTS + TENSORRT_LLM_INPUTS])
     _outputs(cfg, [("CONTEXT_IDS", T.TYPE_INT32, [-1]), ("READ_OFFSET", T.TYPE_INT32, [1]),
                    ("IS_FINAL", T.TYPE_BOOL, [1]), ("RESPONSE_INDEX", T.TYPE_INT32, [1]),
-                   ("FINISH_REASON", T.TYPE_STRING, [1])] + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS)
+                   ("FINISH_REASON", T.TYPE_STRING, [1])] + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS
+             + TENSORRT_LLM_OUTPUTS)
     # One instance = one runtime = one in-flight batch; more instances are more model copies, each its own batch.
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
-    _params(cfg, device=device, tree=json.dumps(tree) if tree else "")
+    # exclude_input_in_output: what a request that does not send it gets (the backend's parameter of that name)
+    _params(cfg, device=device, tree=json.dumps(tree) if tree else "", exclude_input_in_output="true")
     return cfg
 
 
@@ -237,7 +277,7 @@ def trtllm_generator_config(max_batch_size: int, engine_path: str, *, kv_cache_f
                             gpu_device_ids: str = "", tokenizer_dir: str = "") -> mc.ModelConfig:
     """The generator as the C++ `tensorrtllm` backend. Model versions do not apply to it: the
     engine is named by gpt_model_path, which add_version points at the newest version."""
-    cfg = mc.ModelConfig(name="generator", backend="tensorrtllm", max_batch_size=max_batch_size)
+    cfg = mc.ModelConfig(name=GENERATOR, backend="tensorrtllm", max_batch_size=max_batch_size)
     cfg.model_transaction_policy.decoupled = True  # needed for streaming
     cfg.dynamic_batching.preferred_batch_size.append(max_batch_size)
     cfg.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_microseconds
@@ -298,7 +338,7 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
     if target == "native":
         gen_in.update({n: n for n, _, _ in BACKEND_INPUTS})
         mid = ["CONTEXT_IDS", "READ_OFFSET", "IS_FINAL", "RESPONSE_INDEX", "FINISH_REASON"] + [n for n, _ in STATS]
-        step("generator", gen_in, {n: "_" + n.upper() for n in mid})
+        step(GENERATOR, gen_in, {n: "_" + n.upper() for n in mid})
         post_out = {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids", "OUT_RESPONSE_INDEX": "response_index",
                     "OUT_FINISH_REASON": "finish_reason"}
         post_out.update({"OUT_" + n: n for n, _ in STATS})
@@ -307,7 +347,7 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
         gen_in["return_perf_metrics"] = "return_perf_metrics"
         gen_out = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
         gen_out.update({n: n for n, _ in STATS[:3]})
-        step("generator", gen_in, gen_out)
+        step(GENERATOR, gen_in, gen_out)
         step("postprocessing", {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
              {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids"})
     return cfg
@@ -438,6 +478,10 @@ def _locked(repo: Path, name: Optional[str], engine_dirs: Iterable[Path] = ()) -
     for e in engine_dirs:
         _check_apart(repo, e)
     check_repository(repo, name)  # refuse before writing anything
+    if (repo / "generator" / "config.pbtxt").is_file() and (repo / MARKER).is_file():
+        raise UserError(f"{repo} was emitted by an earlier bpcompile, whose generating model was named 'generator' "
+                        f"(now '{GENERATOR}', tensorrtllm_backend's name): emit into a new directory",
+                        file=str(repo))
     repo.mkdir(parents=True, exist_ok=True)
     with FileLock(str(repo / LOCK)):
         if check_repository(repo, name) is None:  # again: another process may have got here first
@@ -547,7 +591,7 @@ def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
 
     renames = []
     for model, fill in (("preprocessing", copy_tokenizer("preprocessing")),
-                        ("postprocessing", copy_tokenizer("postprocessing")), ("generator", fill_generator)):
+                        ("postprocessing", copy_tokenizer("postprocessing")), (GENERATOR, fill_generator)):
         tmp = repo / model / f".staging-{version}-{uuid.uuid4().hex[:8]}"  # Triton ignores non-numeric names
         tmp.mkdir(parents=True)
         renames.append((tmp, repo / model / str(version)))
@@ -567,7 +611,7 @@ def _has_version(repo: Path, version: int, build_id: Optional[str]) -> bool:
     if version not in _versions(repo) or not all(c.is_file() for c in configs):
         return False
     try:
-        have = json.loads((repo / "generator" / str(version) / "engine_source.json").read_text()).get("build_id")
+        have = json.loads((repo / GENERATOR / str(version) / "engine_source.json").read_text()).get("build_id")
     except (OSError, ValueError, AttributeError):
         return False
     return bool(have) and have == build_id
@@ -607,11 +651,11 @@ def _prepare(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo: Path, *,
         "ensemble": ensemble_config(mbs, target),
     }
     if target == "native":
-        configs["generator"] = generator_config(mbs, policy, gen_inst, device, tree)
+        configs[GENERATOR] = generator_config(mbs, policy, gen_inst, device, tree)
     else:
         v, _ = engines[-1]
-        configs["generator"] = trtllm_generator_config(
-            mbs, str((repo / "generator" / str(v) / "engine" / "trtllm" / "verifier").resolve()),
+        configs[GENERATOR] = trtllm_generator_config(
+            mbs, str((repo / GENERATOR / str(v) / "engine" / "trtllm" / "verifier").resolve()),
             tokenizer_dir=str((repo / "preprocessing" / str(v) / "tokenizer").resolve()))
     return {"engines": engines, "name": names[0], "target": target, "policy": policy, "mbs": mbs,
             "device": device, "tree": tree, "configs": configs}
@@ -663,8 +707,8 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
 
 
 def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool) -> dict:
-    if not (repo / "generator" / "config.pbtxt").is_file():
-        raise UserError(f"{repo} is not an emitted repository (no generator/config.pbtxt); run emit first",
+    if not (repo / GENERATOR / "config.pbtxt").is_file():
+        raise UserError(f"{repo} is not an emitted repository (no tensorrt_llm/config.pbtxt); run emit first",
                         file=str(repo))
     summary = _summary(repo)
     engine_target = _engine_config(engine_dir).target
@@ -679,10 +723,10 @@ def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool) -> dict:
         note = ("this version has a different tokenizer: load preprocessing, generator and postprocessing together "
                 "(unload the ensemble first) so no request mixes tokenizers")
     if target == "tensorrt-llm":  # the C++ backend takes its engine from a parameter, not a version dir
-        final = repo / "generator" / "config.pbtxt"
+        final = repo / GENERATOR / "config.pbtxt"
         cfg = read_config(final)
         cfg.parameters["gpt_model_path"].string_value = str(
-            (repo / "generator" / str(version) / "engine" / "trtllm" / "verifier").resolve())
+            (repo / GENERATOR / str(version) / "engine" / "trtllm" / "verifier").resolve())
         renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
     summary.setdefault("versions", []).append(w)
     renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
@@ -706,8 +750,8 @@ def set_version_policy(repo_dir: Union[str, Path], policy) -> dict:
     repo = Path(repo_dir)
     proto = version_policy_proto(policy)
     with _locked(repo, None) as repaired:
-        if not (repo / "generator" / "config.pbtxt").is_file():
-            raise UserError("not an emitted repository (no generator/config.pbtxt)", file=str(repo))
+        if not (repo / GENERATOR / "config.pbtxt").is_file():
+            raise UserError("not an emitted repository (no tensorrt_llm/config.pbtxt)", file=str(repo))
         have = set(_versions(repo))
         if proto.HasField("specific") and not set(proto.specific.versions) <= have:
             raise UserError(f"version_policy names versions {sorted(set(proto.specific.versions) - have)} that "
@@ -716,7 +760,7 @@ def set_version_policy(repo_dir: Union[str, Path], policy) -> dict:
         for m in VERSIONED:
             final = repo / m / "config.pbtxt"
             cfg = read_config(final)
-            if m == "generator" and cfg.backend == "tensorrtllm":
+            if m == GENERATOR and cfg.backend == "tensorrtllm":
                 continue
             cfg.version_policy.CopyFrom(proto)
             renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
@@ -735,7 +779,7 @@ def publish_version(repo_dir: Union[str, Path], engine_dir: Union[str, Path], ve
     repo, engine_dir = Path(repo_dir), Path(engine_dir)
     name = _engine_name(engine_dir)
     with _locked(repo, name, [engine_dir]) as repaired:
-        if not (repo / "generator" / "config.pbtxt").is_file():
+        if not (repo / GENERATOR / "config.pbtxt").is_file():
             plan = _prepare([(version, engine_dir)], repo, target=None, version_policy=None, max_batch_size=None,
                             preprocessing_instances=1, generator_instances=None, device="cpu", tree=None)
             out = _emit_locked(repo, plan, link=False, overwrite=True)

@@ -43,12 +43,12 @@ class ApiError(Exception):
 
 
 def _newest_engine(repo_dir: Path) -> Path:
-    """The engine of the newest generator version in a repository (what the ensemble's latest policy serves)."""
-    gen = Path(repo_dir) / "generator"
+    """The engine of the newest tensorrt_llm (generator) version in a repository (what the ensemble's latest policy serves)."""
+    gen = Path(repo_dir) / "tensorrt_llm"
     versions = sorted((int(p.name) for p in gen.iterdir() if p.name.isdigit() and (p / "engine").is_dir()),
                       reverse=True) if gen.is_dir() else []
     if not versions:
-        raise UserError(f"{repo_dir}: no generator model versions (emit a repository first)", file=str(repo_dir))
+        raise UserError(f"{repo_dir}: no tensorrt_llm model versions (emit a repository first)", file=str(repo_dir))
     return gen / str(versions[0]) / "engine"
 
 

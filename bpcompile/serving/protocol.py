@@ -140,8 +140,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise BadRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
         raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+    if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
+        raise BadRequest(f"top_p must be in [0, 1] (0 or 1 = off), got {top_p}")
 
 
 
@@ -237,13 +237,25 @@ OFF_VALUES = {  # refused unless one of these values (what the backend treats as
 }
 ABSENT_ONLY = ("decoder_text_input", "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size",
                "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config",
-               "guided_decoding_guide_type", "guided_decoding_guide")
-IGNORED = ("pad_id", "length_penalty")  # no padding in our outputs; length_penalty acts on beam search only
+               "guided_decoding_guide_type", "guided_decoding_guide",
+               # the tensorrt_llm model's own: external drafts, encoder-decoder and multimodal inputs, top-p decay,
+               # disaggregated serving, KV retention, lookahead decoding
+               "draft_input_ids", "draft_logits", "draft_acceptance_threshold", "encoder_input_features",
+               "encoder_output_lengths", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
+               "runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids", "prompt_table_extra_ids",
+               "cross_attention_mask", "mrope_rotary_cos_sin", "mrope_position_deltas", "context_phase_params",
+               "skip_cross_attn_blocks", "retention_token_range_starts", "retention_token_range_ends",
+               "retention_token_range_priorities", "retention_token_range_durations_ms", "retention_decode_priority",
+               "retention_decode_duration_ms", "lookahead_window_size", "lookahead_ngram_size",
+               "lookahead_verification_set_size")
+# no padding in our outputs; the penalties, early stopping and diversity act on beam search only (one beam here)
+IGNORED = ("pad_id", "length_penalty", "len_penalty", "early_stopping", "beam_search_diversity_rate")
 
 
-def backend_options(get) -> bool:
+def backend_options(get, exclude_default: bool = True) -> bool:
     """Check a request's tensorrtllm_backend inputs (get(name) -> array or None); returns exclude_input_in_output
-    (default true: the output holds the generated tokens only)."""
+    (when absent, the model's `exclude_input_in_output` parameter, as the backend does: true by default, the
+    output holds the generated tokens only)."""
     for name, ok in OFF_VALUES.items():
         kind = type(ok[0])
         v = scalar(get, name, ok[0], kind)
@@ -256,4 +268,7 @@ def backend_options(get) -> bool:
                 isinstance(x, (bytes, str)) and not x for x in np.asarray(a, dtype=object).reshape(-1)):
             raise BadRequest(f"{name} is not supported by bpcompile's runtime (LoRA, prompt tables, embedding bias, "
                              f"guided decoding and encoder-decoder models are not implemented): leave it out")
-    return scalar(get, "exclude_input_in_output", True, bool)
+    if scalar(get, "stop", False, bool):
+        raise BadRequest("stop=true (stopping a request by a second request) is not supported: cancel the request "
+                         "(the client's cancel, or closing its stream) instead")
+    return scalar(get, "exclude_input_in_output", exclude_default, bool)

@@ -1,8 +1,8 @@
-"""Triton Python-backend model `generator` (decoupled): the speculative decoding loop, draft and verifier in
+"""Triton Python-backend model `tensorrt_llm` (decoupled; tensorrtllm_backend's name for it): the speculative decoding loop, draft and verifier in
 this one process, over bpcompile's native runtime.
 
-Copied by bpcompile.serving.emit into generator/<version>/model.py; the engine version it serves is
-generator/<version>/engine/ (a copy of engines/<name>/<version>/).
+Copied by bpcompile.serving.emit into tensorrt_llm/<version>/model.py; the engine version it serves is
+tensorrt_llm/<version>/engine/ (a copy of engines/<name>/<version>/).
 
 In-flight batching: `execute` only validates a request and submits it to the runtime's in-flight loop
 (bpcompile/runtime/inflight.py: one thread owns the runtime, requests join the running batch at the next
@@ -13,7 +13,9 @@ Two interfaces, told apart by their inputs:
   streamed response carries the response's tokens with a few tokens of left context (see
   bpcompile/serving/protocol.py), so the stateless postprocessing model decodes it correctly on its own.
 * text (text_input, max_tokens, stream, ...: the ensemble's own inputs, and its outputs text_output,
-  output_ids, ...): the same request a client sends the ensemble, tokenized and detokenized here.
+  finish_reason, ...): the same request a client sends the ensemble, tokenized and detokenized here.
+Every response also carries tensorrtllm_backend's `tensorrt_llm` outputs (output_ids [batch, beam, tokens],
+sequence_length, batch_index, ...), so its clients that talk to this model by that name read what they expect.
 
 Cancellation: before every step the loop polls each request's `response_sender.is_cancelled()` and cancels
 the ones set (the runtime frees their KV pages), so a cancelled or disconnected client stops costing work
@@ -140,6 +142,7 @@ class TritonPythonModel:
         self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None,
                                          device=params.get("device", "cpu"))
         self.max_seq_len, self.max_input_len = self.gen.max_seq_len, self.gen.max_input_len
+        self.exclude_default = params.get("exclude_input_in_output", "true").lower() not in ("false", "0", "no")
         self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
         self.logger = pb_utils.Logger
         self.metrics = _Metrics({"version": str(self.engine_version),
@@ -196,9 +199,10 @@ class TritonPythonModel:
                              f" + max_tokens must be <= max_seq_len {self.max_seq_len}, so at most {room}")
         if bad:
             raise BadRequest("bad_words is not supported by the native runtime (send it empty)")
-        exclude = backend_options(get)
+        exclude = backend_options(get, self.exclude_default)
         temperature = scalar(get, "temperature", 0.0, float)
         check_sampling(temperature, top_k, top_p)
+        top_p = top_p or 1.0  # TensorRT-LLM's convention (its clients' default): top_p 0 is no top-p
         seed = scalar(get, "seed", None, int)
         end_id = scalar(get, "end_id", default_end, int)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -253,12 +257,17 @@ class TritonPythonModel:
         if job.text:  # what postprocessing makes of the token response below, with the ensemble's names
             piece = delta_text(self.text.decode, ctx, read, o.finished)
             outs = [pb_utils.Tensor("text_output", np.array([piece.encode("utf-8")], dtype=np.object_)),  # [batch]
-                    t("output_ids", ctx[read:], np.int32),
                     t("response_index", [job.index], np.int32), t("finish_reason", [reason], np.object_)]
         else:
             outs = [t("CONTEXT_IDS", ctx, np.int32), t("READ_OFFSET", [read], np.int32),
                     t("IS_FINAL", [o.finished], np.bool_), t("RESPONSE_INDEX", [job.index], np.int32),
                     t("FINISH_REASON", [reason], np.object_)]
+        # tensorrtllm_backend's outputs: this response's tokens as [batch, beam, tokens] with one beam (the prompt
+        # first in a non-streamed response when exclude_input_in_output is false), their count per beam
+        new = ctx[read:]
+        outs += [t("output_ids", [new], np.int32), t("sequence_length", [len(new)], np.int32),
+                 t("batch_index", [0], np.int32), t("sequence_index", [0], np.int32),
+                 t("num_input_tokens", [len(job.prompt)], np.int32), t("num_output_tokens", [len(job.out)], np.int32)]
         resp = pb_utils.InferenceResponse(output_tensors=outs + [
             t("acceptance_rate", [accepted / drafted if drafted else 0.0], np.float32),
             t("total_accepted_draft_tokens", [accepted], np.int32),

@@ -23,9 +23,9 @@ def _optional(request, name):
 class TritonPythonModel:
     def initialize(self, args):
         version = Path(args["model_repository"]) / args["model_version"]
-        # The engine version this one serves is the repository's generator/<version>/engine/ (emit.py's
+        # The engine version this one serves is the repository's tensorrt_llm/<version>/engine/ (emit.py's
         # layout); its limits say how long a prompt can be.
-        engine = Path(args["model_repository"]).parent / "generator" / args["model_version"] / "engine"
+        engine = Path(args["model_repository"]).parent / "tensorrt_llm" / args["model_version"] / "engine"
         self.text = TextInterface(version / "tokenizer", EngineConfig.load(engine).limits.max_input_len)
 
     def _one(self, request):
