@@ -130,7 +130,6 @@ def test_tensorrt_llm_target_fails_clearly_without_tensorrt(tmp_path, pair):
 
 @pytest.mark.parametrize("extra, key, says", [
     ("kv_cache: {format: int4-fp8-outlier}\nspeculative: {tree: none}\n", "kv_cache.format", "one dtype per KV pool"),
-    ("kv_cache: {format: fp8}\nspeculative: {tree: none}\n", "kv_cache.format", "kv_cache_scaling_factor"),
     ("kv_cache: {format: fp16}\nspeculative: {tree: dynamic, nodes: 5}\n", "speculative.tree", "chain"),
 ])
 def test_tensorrt_llm_target_refuses_what_its_executor_cannot_hold(tmp_path, pair, extra, key, says):
@@ -140,3 +139,44 @@ def test_tensorrt_llm_target_refuses_what_its_executor_cannot_hold(tmp_path, pai
     r = CliRunner().invoke(main, ["build", str(tmp_path / "r.yaml")])
     assert r.exit_code == 2 and key in r.stderr and says in r.stderr and "target: native" in r.stderr, r.stderr
     assert versions(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt, qmax", [("fp8", 448.0), ("int8", 127.0)])
+def test_tensorrt_llm_kv_cache_scales_in_every_rank_file(tmp_path, pair, fmt, qmax):
+    """FP8 / INT8 KV for TensorRT-LLM: one kv_cache_scaling_factor per layer, = the largest |K| or |V| (keys after
+    RoPE) over the calibration samples / the format's largest value, replicated into every tp rank file of the pp
+    stage that owns the layer under its local index; config.json says the algorithm. The reference amax comes from
+    transformers' own KV cache of the HF checkpoint on the same samples."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.build.corpus import calibration_samples
+    from bpcompile.build.trtllm import kv_scales_stage
+
+    v = pair[0]
+    ckpt = tmp_path / "verifier"
+    convert_checkpoint(v, ckpt, tp=2, pp=2)
+    out = kv_scales_stage(ckpt, v, fmt, {"samples": 4, "length": 32})
+    assert ("FP8" if fmt == "fp8" else "INT8") in out["detail"]
+    samples = calibration_samples(v, 4, 32)
+    hf = AutoModelForCausalLM.from_pretrained(v, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(torch.tensor(samples), use_cache=True)
+    layers = getattr(out, "cache", None) or out.past_key_values
+    layers = [(x.keys, x.values) for x in layers.layers]
+    want = [max(float(key.abs().max()), float(val.abs().max())) / qmax for key, val in layers]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["quantization"]["kv_cache_quant_algo"] == fmt.upper()
+    seen = set()
+    for rank in range(4):  # tp 2 x pp 2: ranks 0, 1 hold layer 0 (local 0); ranks 2, 3 hold layer 1 (local 0)
+        with safe_open(ckpt / f"rank{rank}.safetensors", "pt") as f:
+            names = [k for k in f.keys() if k.endswith("kv_cache_scaling_factor")]
+            assert names == ["transformer.layers.0.attention.kv_cache_scaling_factor"]
+            s = f.get_tensor(names[0])
+            assert s.dtype == torch.float32 and s.shape == (1,)
+            layer = rank // 2
+            assert abs(float(s) - want[layer]) <= 1e-5 * want[layer], (rank, float(s), want[layer])
+            seen.add(layer)
+    assert seen == {0, 1}

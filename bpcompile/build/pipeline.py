@@ -261,6 +261,12 @@ def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
     rep.run("calibrate", lambda: calibrate_engine_stage(
         stage / "verifier", stage / "tokenizer", kv.model_dump(), loaded.recipe.calibration.model_dump(),
         stage / "kv_plan", calibration_file=loaded.calibration_file))
+    if loaded.recipe.target == "tensorrt-llm" and kv.format in ("fp8", "int8"):
+        from bpcompile.build.trtllm import kv_scales_stage  # TensorRT-LLM's per-layer scales (no TensorRT needed)
+
+        rep.run("kv cache scales", lambda: kv_scales_stage(
+            stage / "verifier", stage / "tokenizer", kv.format, loaded.recipe.calibration.model_dump(),
+            loaded.calibration_file))
 
 
 def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):

@@ -214,11 +214,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         if kv == "int4-fp8-outlier":
             problem(("kv_cache", "format"), "TensorRT-LLM 1.2's executor allocates one dtype per KV pool and cannot "
                     "hold the mixed INT4/FP8 cache: use target: native (or tensorrt) for it, or kv_cache.format: "
-                    "fp16 with this target")
-        elif kv in ("fp8", "int8"):
-            problem(("kv_cache", "format"), f"{kv} KV for this target needs per-layer kv_cache_scaling_factor tensors "
-                    "from calibration, which bpcompile does not write yet (the engine would silently get an "
-                    "unquantized cache): use kv_cache.format: fp16 with this target, or target: native")
+                    "fp8, int8 or fp16 with this target")
         if recipe.speculative.tree in ("dynamic", "static"):
             problem(("speculative", "tree"), "TensorRT-LLM's draft_tokens_external verifies a chain of draft tokens, "
                     "not a tree: use speculative: {tree: chain, length: N} (or none) with this target, or target: "

@@ -89,3 +89,78 @@ def trtllm_stage(stage: Path, recipe: Recipe) -> dict:
     for name, cmd in cmds.items():
         subprocess.run(cmd, check=True)
     return {"detail": "engines: " + ", ".join(cmds)}
+
+
+# --- FP8 / INT8 KV cache for TensorRT-LLM: per-layer scaling factors from calibration ------------------------
+
+KV_QUANT_ALGO = {"fp8": "FP8", "int8": "INT8"}  # config.json quantization.kv_cache_quant_algo
+KV_QMAX = {"fp8": 448.0, "int8": 127.0}  # the largest magnitude of each format (E4M3; symmetric INT8)
+SCALE_NAME = "transformer.layers.{}.attention.kv_cache_scaling_factor"  # [1] float32 per layer
+
+
+def kv_cache_scales(verifier, samples: list[list[int]], fmt: str) -> "torch.Tensor":
+    """[num_layers] float32: per layer, the largest |K| or |V| over the calibration samples (keys after RoPE, as
+    the cache stores them) divided by the format's largest value. TensorRT-LLM's attention stores x / s and reads
+    back code * s, one scale per layer for K and V together (what its own checkpoint converters write)."""
+    import torch
+
+    from bpcompile.build.calibrate import capture_qkv
+
+    amax = torch.zeros(verifier.cfg.num_layers, dtype=torch.float32)
+    for layer, _, k, v in capture_qkv(verifier, samples):
+        amax[layer] = torch.maximum(k.abs().max(), v.abs().max())
+    return (amax / KV_QMAX[fmt]).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def write_kv_cache_scales(ckpt_dir: Path, scales, fmt: str) -> dict:
+    """Put each layer's scale into every rank file of the pp stage that holds the layer (replicated over tp, under
+    the stage's local layer index) and set config.json's kv_cache_quant_algo. Each file is replaced atomically."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bpcompile.core.checkpoint import pp_layers, read_trtllm_config
+    from bpcompile.core.store import write_atomic
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_trtllm_config(ckpt_dir)
+    m = cfg.get("mapping", {})
+    tp, pp = m.get("tp_size", 1), m.get("pp_size", 1)
+    if len(scales) != cfg["num_hidden_layers"]:
+        raise ValueError(f"{len(scales)} scales for {cfg['num_hidden_layers']} layers")
+    files = []
+    for stage in range(pp):
+        layers = pp_layers(cfg["num_hidden_layers"], pp, stage)
+        for r in range(tp):
+            path = ckpt_dir / f"rank{stage * tp + r}.safetensors"
+            with safe_open(path, "pt") as f:
+                tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+            for local, layer in enumerate(layers):
+                tensors[SCALE_NAME.format(local)] = scales[layer:layer + 1].clone().float()
+            tmp = path.with_name(f".{path.name}.tmp")
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+            files.append(path.name)
+    cfg.setdefault("quantization", {})["kv_cache_quant_algo"] = KV_QUANT_ALGO[fmt]
+    write_atomic(ckpt_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
+    return {"files": files, "kv_cache_quant_algo": KV_QUANT_ALGO[fmt]}
+
+
+def kv_scales_stage(ckpt_dir: Path, tokenizer_dir: Path, fmt: str, calibration: dict, calibration_file=None) -> dict:
+    """Build stage (target tensorrt-llm, kv_cache.format fp8 or int8): calibrate and write the scales."""
+    from bpcompile.build.calibrate import text_file_samples
+    from bpcompile.runtime.model import Llama
+
+    n, length = int(calibration.get("samples", 16)), int(calibration.get("length", 128))
+    if calibration_file:
+        samples = text_file_samples(tokenizer_dir, calibration_file, n, length)
+    else:
+        from bpcompile.build.corpus import calibration_samples
+
+        samples = calibration_samples(tokenizer_dir, n, length)
+    scales = kv_cache_scales(Llama.from_checkpoint(ckpt_dir, dtype=None), samples, fmt)
+    out = write_kv_cache_scales(ckpt_dir, scales, fmt)
+    return {"detail": f"kv_cache_quant_algo {out['kv_cache_quant_algo']}, {len(scales)} per-layer scales "
+                      f"({float(scales.min()):.3g}..{float(scales.max()):.3g}) in {len(out['files'])} rank file(s)"}
