@@ -176,7 +176,7 @@ def test_tensorrt_llm_target(tmp_path):
     p = {k: v.string_value for k, v in g.parameters.items()}
     assert g.backend == "tensorrtllm" and g.model_transaction_policy.decoupled
     assert p["gpt_model_type"] == "inflight_fused_batching"
-    assert p["gpt_model_path"] == str((repo / "tensorrt_llm" / "3" / "engine" / "trtllm" / "verifier").resolve())
+    assert p["gpt_model_path"] == "tensorrt_llm/3/engine/trtllm/verifier"  # relative to the repository
     assert float(p["kv_cache_free_gpu_mem_fraction"]) == 0.9
     assert p["batch_scheduler_policy"] in ("guaranteed_no_evict", "max_utilization")
     assert p["decoupled_mode"] == "true" and p["max_beam_width"] == "1"
@@ -188,7 +188,131 @@ def test_tensorrt_llm_target(tmp_path):
     # a new version re-points the engine path (the C++ backend ignores version directories)
     add_version(repo, 4, engine_dir(tmp_path / "engines", 4, target="tensorrt-llm"))
     g = read_config(repo / "tensorrt_llm" / "config.pbtxt")
-    assert g.parameters["gpt_model_path"].string_value.endswith("tensorrt_llm/4/engine/trtllm/verifier")
+    assert g.parameters["gpt_model_path"].string_value == "tensorrt_llm/4/engine/trtllm/verifier"
+
+
+def _trtllm_engine(root: Path, version: int) -> Path:
+    """A target tensorrt-llm version with a chain draft, and stand-ins for its two trtllm-build outputs."""
+    e = engine_dir(root, version, target="tensorrt-llm", speculative={"tree": "chain", "length": 4},
+                   kv_cache={"format": "fp8"})
+    for role in ("verifier", "draft"):
+        (e / "trtllm" / role).mkdir(parents=True)
+        (e / "trtllm" / role / "config.json").write_text("{}")
+    return e
+
+
+def test_tensorrt_llm_draft_target_pair_is_wired_as_the_backend_wires_it(tmp_path, monkeypatch):
+    """The draft-target pair as tensorrtllm_backend serves it: tensorrt_llm (verifier engine) and tensorrt_llm_draft
+    (draft engine), non-decoupled with KV reuse, and its tensorrt_llm_bls model (decoupled; its own model.py and lib/
+    copied from the backend's installation: a stand-in directory here, the backend's code is not in this
+    repository). Every tensor the BLS sends to preprocessing, both engines and postprocessing, and every output it
+    requests by name (a table transcribed from its triton_decoder.py) is declared by that model; the engine paths
+    are relative to the repository and exist there; no config holds an absolute path; the copied repository is
+    the same."""
+    monkeypatch.delenv("BPCOMPILE_TRTLLM_BLS_DIR", raising=False)
+    e = _trtllm_engine(tmp_path / "engines", 3)
+    with pytest.raises(UserError, match="BPCOMPILE_TRTLLM_BLS_DIR"):
+        emit_repository([(3, e)], tmp_path / "none")
+    bls = tmp_path / "backend_bls"
+    (bls / "lib").mkdir(parents=True)
+    (bls / "model.py").write_text("# stand-in for tensorrtllm_backend's tensorrt_llm_bls/1/model.py\n")
+    (bls / "lib" / "decode.py").write_text("# stand-in\n")
+    repo = tmp_path / "repo"
+    out = emit_repository([(3, e)], repo, bls_source=bls)
+    assert set(out["models"]) == {"ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft",
+                                  "tensorrt_llm_bls", "postprocessing"}
+    cfgs = {m: read_config(repo / m / "config.pbtxt") for m in out["models"]}
+    check_wiring(cfgs)
+    assert (repo / "tensorrt_llm_bls" / "3" / "model.py").is_file() and (repo / "tensorrt_llm_bls" / "3" / "lib").is_dir()
+    assert (repo / "tensorrt_llm_draft" / "3").is_dir()
+    table = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_bls_calls.json").read_text())
+    b = cfgs["tensorrt_llm_bls"]
+    params = {k: v.string_value for k, v in b.parameters.items()}
+    assert b.backend == "python" and b.model_transaction_policy.decoupled
+    assert {i.name for i in b.input} >= {"text_input", "max_tokens", "num_draft_tokens", "use_draft_logits", "stream"}
+    called = {params[k]: v for k, v in table["parameters"].items()}
+    assert set(called) == {"tensorrt_llm", "tensorrt_llm_draft"} <= set(cfgs)
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_draft"):
+        spec = table["calls"][model if model in table["calls"] else "tensorrt_llm_model_name"]
+        declared_in = {i.name for i in cfgs[model].input}
+        declared_out = {o.name for o in cfgs[model].output}
+        assert not set(spec["sends"]) - declared_in, (model, set(spec["sends"]) - declared_in)
+        assert not set(spec["requests"]) - declared_out, (model, set(spec["requests"]) - declared_out)
+    for model, role in (("tensorrt_llm", "verifier"), ("tensorrt_llm_draft", "draft")):
+        g = cfgs[model]
+        p = {k: v.string_value for k, v in g.parameters.items()}
+        assert g.backend == "tensorrtllm" and not g.model_transaction_policy.decoupled
+        assert p["enable_kv_cache_reuse"] == "true" and p["decoupled_mode"] == "false"
+        assert p["gpt_model_path"] == f"tensorrt_llm/3/engine/trtllm/{role}"
+        assert (repo / p["gpt_model_path"] / "config.json").is_file()
+    for m, c in cfgs.items():
+        for k, v in c.parameters.items():
+            assert not v.string_value.startswith("/"), (m, k, v.string_value)
+    # a new version re-points both engines; the copy of the repository elsewhere reads the same
+    add_version(repo, 4, _trtllm_engine(tmp_path / "engines", 4), bls_source=bls)
+    for model, role in (("tensorrt_llm", "verifier"), ("tensorrt_llm_draft", "draft")):
+        path = read_config(repo / model / "config.pbtxt").parameters["gpt_model_path"].string_value
+        assert path == f"tensorrt_llm/4/engine/trtllm/{role}" and (repo / path / "config.json").is_file()
+    shutil.copytree(repo, tmp_path / "elsewhere", symlinks=True)
+    path = read_config(tmp_path / "elsewhere" / "tensorrt_llm" / "config.pbtxt").parameters["gpt_model_path"]
+    assert (tmp_path / "elsewhere" / path.string_value / "config.json").is_file()
+
+
+def test_multi_rank_tensorrt_llm_engines_are_launched_one_server_per_rank(tmp_path, monkeypatch):
+    """tp x pp > 1: tritonserver once per rank under mpirun, as tensorrtllm_backend's launch script does it (rank 0
+    serves; the others load only the TensorRT-LLM models; a shared-memory prefix per rank). Where mpirun is missing,
+    serve refuses before starting anything."""
+    from bpcompile.core.errors import MissingDependency
+    from bpcompile.serving.serve import mpi_command, server_command, trtllm_world
+
+    e = _trtllm_engine(tmp_path / "engines", 1)
+    write_engine_config(e, **{**json.loads((e / "engine.json").read_text()), "parallel": {"tp": 2, "pp": 1}})
+    repo = tmp_path / "repo"
+    emit_repository([(1, e)], repo, bls_source=_stand_in_bls(tmp_path))
+    assert trtllm_world(repo) == (2, ["tensorrt_llm", "tensorrt_llm_draft"])
+    cmd = ["tritonserver", f"--model-repository={repo}", "--http-port=1", "--model-control-mode=none"]
+    m = mpi_command(cmd, 2, ["tensorrt_llm", "tensorrt_llm_draft"])
+    assert m[:2] == ["mpirun", "--allow-run-as-root"] and m.count(":") == 1 and m.count("-n") == 2
+    rank0, rank1 = " ".join(m).split(" : ")
+    assert "--model-control-mode=none" in rank0 and "prefix0_" in rank0 and "--load-model" not in rank0
+    assert "--model-control-mode=explicit" in rank1 and "--model-control-mode=none" not in rank1
+    assert "--load-model=tensorrt_llm --load-model=tensorrt_llm_draft" in rank1 and "prefix1_" in rank1
+    assert f"--model-repository={repo}" in rank1 and "--http-port=1" in rank1
+    pytest.importorskip("pytriton")  # the bundled tritonserver; no mpirun on the emptied PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(MissingDependency, match="mpirun is not on PATH"):
+        server_command(repo, tmp_path / "run")
+
+
+def _stand_in_bls(tmp_path: Path) -> Path:
+    bls = tmp_path / "backend_bls"
+    bls.mkdir(exist_ok=True)
+    (bls / "model.py").write_text("# stand-in for tensorrtllm_backend's tensorrt_llm_bls/1/model.py\n")
+    return bls
+
+
+def test_preprocessing_declares_the_backends_interface(repo):
+    """Its BLS (and ensemble) address tensorrtllm_backend's preprocessing by tensor name: every input and output
+    of the backend's preprocessing/config.pbtxt (transcribed below) is declared with the same type."""
+    backend = {"inputs": {"QUERY": "TYPE_STRING", "DECODER_QUERY": "TYPE_STRING", "IMAGE_BYTES": "TYPE_UINT8",
+                          "IMAGE_URL": "TYPE_STRING", "IMAGES": "TYPE_STRING", "VIDEO_BYTES": "TYPE_UINT8",
+                          "REQUEST_OUTPUT_LEN": "TYPE_INT32", "BAD_WORDS_DICT": "TYPE_STRING",
+                          "STOP_WORDS_DICT": "TYPE_STRING", "EMBEDDING_BIAS_WORDS": "TYPE_STRING",
+                          "EMBEDDING_BIAS_WEIGHTS": "TYPE_FP32", "END_ID": "TYPE_INT32", "PAD_ID": "TYPE_INT32",
+                          "PROMPT_TABLE_EXTRA_ID": "TYPE_UINT64"},
+               "outputs": {"INPUT_ID": "TYPE_INT32", "REQUEST_INPUT_LEN": "TYPE_INT32", "DECODER_INPUT_ID": "TYPE_INT32",
+                           "REQUEST_DECODER_INPUT_LEN": "TYPE_INT32", "BAD_WORDS_IDS": "TYPE_INT32",
+                           "STOP_WORDS_IDS": "TYPE_INT32", "EMBEDDING_BIAS": "TYPE_FP32",
+                           "REQUEST_OUTPUT_LEN": "TYPE_INT32", "OUT_END_ID": "TYPE_INT32", "OUT_PAD_ID": "TYPE_INT32",
+                           "OUT_PROMPT_TABLE_EXTRA_IDS": "TYPE_UINT64", "PIXEL_VALUES": "TYPE_FP16",
+                           "ASPECT_RATIO_IDS": "TYPE_INT64", "ASPECT_RATIO_MASK": "TYPE_INT64",
+                           "CROSS_ATTENTION_MASK": "TYPE_INT64", "IMAGE_SIZES": "TYPE_INT64",
+                           "IS_VIDEO_INPUT": "TYPE_BOOL", "ATTENTION_MASK": "TYPE_INT64", "IMAGE_GRID_THW": "TYPE_INT64",
+                           "VISION_INPUT_ID": "TYPE_INT32"}}
+    pre = configs(repo)["preprocessing"]
+    for kind, declared in (("inputs", pre.input), ("outputs", pre.output)):
+        got = {i.name: mc.DataType.Name(i.data_type) for i in declared}
+        assert {k: got.get(k) for k in backend[kind]} == backend[kind], kind
 
 
 def test_add_version_leaves_served_configs_alone(repo, tmp_path):

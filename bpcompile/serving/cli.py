@@ -51,8 +51,13 @@ def _version_of(engine_dir: Path) -> int:
 @click.option("--device", default="cpu", show_default=True, help="Device of the generator's runtime (cpu, cuda).")
 @click.option("--link", is_flag=True, help="Symlink engine versions instead of copying them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing repository.")
+@click.option("--bls-from", type=click.Path(path_type=Path), default=None,
+              help="Target tensorrt-llm with a draft: tensorrtllm_backend's all_models/inflight_batcher_llm/"
+                   "tensorrt_llm_bls/1 directory to copy the BLS model from (default: $BPCOMPILE_TRTLLM_BLS_DIR, "
+                   "else where TensorRT-LLM's Triton containers keep it).")
 @click.option("--json", "as_json", is_flag=True)
-def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, device, link, overwrite, as_json):
+def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, device, link, overwrite, bls_from,
+         as_json):
     """Write a Triton model repository serving ENGINES (version directories, or NAME/N of ./engines)."""
     from bpcompile.core.store import engine_version_dir
     from bpcompile.serving.emit import add_version, emit_repository, set_version_policy
@@ -66,11 +71,11 @@ def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, dev
         dirs = [engine_version_dir(e) for e in engines]
         pairs = [(_version_of(d), d) for d in dirs]
         if add:
-            out = {"added": [add_version(repo, v, d, link=link) for v, d in pairs]}
+            out = {"added": [add_version(repo, v, d, link=link, bls_source=bls_from) for v, d in pairs]}
         else:
             out = emit_repository(pairs, repo, target=target, version_policy=pol, max_batch_size=max_batch_size,
                                   device=device, tree={"kind": "none"} if no_speculation else None, link=link,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, bls_source=bls_from)
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))
     else:

@@ -104,41 +104,63 @@ BACKEND_INPUTS = [
     ("lora_config", T.TYPE_INT32, [-1, 3]), ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
     ("guided_decoding_guide", T.TYPE_STRING, [1]),
 ]
-# tensorrtllm_backend's `tensorrt_llm` model (its inflight_batcher_llm tensorrt_llm/config.pbtxt, TensorRT-LLM 1.2
-# line; templated types at their defaults: FP16 tables, FP32 logits), beyond what the generator takes already.
-# Its clients (inflight_batcher_llm_client.py) send them to the model by this name; protocol.backend_options
-# honours, ignores or refuses each per request. tests/data/tensorrtllm_backend_tensorrt_llm.json is the backend's
-# own list, compared with what is emitted.
-TENSORRT_LLM_INPUTS = [
-    ("encoder_input_features", T.TYPE_FP16, [-1, -1]), ("encoder_output_lengths", T.TYPE_INT32, [1]),
+# tensorrtllm_backend's `tensorrt_llm` model, inputs and outputs in its order (its inflight_batcher_llm
+# tensorrt_llm/config.pbtxt, TensorRT-LLM 1.2 line; templated types at their defaults: FP16 tables, FP32 logits).
+# The native generator declares all of them (its clients, inflight_batcher_llm_client.py and the BLS model, send
+# them to the model by this name; protocol.backend_options honours, ignores or refuses each per request), and so
+# does the C++ backend's config for target tensorrt-llm. tests/data/tensorrtllm_backend_tensorrt_llm.json is the
+# backend's own list, compared with what is emitted.
+TRTLLM_MODEL_INPUTS = [
+    ("input_ids", T.TYPE_INT32, [-1]), ("encoder_input_features", T.TYPE_FP16, [-1, -1]),
+    ("encoder_output_lengths", T.TYPE_INT32, [1]), ("input_lengths", T.TYPE_INT32, [1]),
+    ("request_output_len", T.TYPE_INT32, [1]), ("num_return_sequences", T.TYPE_INT32, [1]),
     ("draft_input_ids", T.TYPE_INT32, [-1]), ("decoder_input_ids", T.TYPE_INT32, [-1]),
     ("decoder_input_lengths", T.TYPE_INT32, [1]), ("draft_logits", T.TYPE_FP32, [-1, -1]),
-    ("draft_acceptance_threshold", T.TYPE_FP32, [1]), ("embedding_bias", T.TYPE_FP32, [-1]),
+    ("draft_acceptance_threshold", T.TYPE_FP32, [1]), ("end_id", T.TYPE_INT32, [1]), ("pad_id", T.TYPE_INT32, [1]),
+    ("stop_words_list", T.TYPE_INT32, [2, -1]), ("bad_words_list", T.TYPE_INT32, [2, -1]),
+    ("embedding_bias", T.TYPE_FP32, [-1]), ("beam_width", T.TYPE_INT32, [1]), ("temperature", T.TYPE_FP32, [1]),
+    ("runtime_top_k", T.TYPE_INT32, [1]), ("runtime_top_p", T.TYPE_FP32, [1]),
     ("runtime_top_p_min", T.TYPE_FP32, [1]), ("runtime_top_p_decay", T.TYPE_FP32, [1]),
     ("runtime_top_p_reset_ids", T.TYPE_INT32, [1]), ("len_penalty", T.TYPE_FP32, [1]),
-    ("early_stopping", T.TYPE_BOOL, [1]), ("beam_search_diversity_rate", T.TYPE_FP32, [1]),
-    ("stop", T.TYPE_BOOL, [1]), ("prompt_table_extra_ids", T.TYPE_UINT64, [-1]),
-    ("cross_attention_mask", T.TYPE_BOOL, [-1, -1]), ("mrope_rotary_cos_sin", T.TYPE_FP32, [-1]),
-    ("mrope_position_deltas", T.TYPE_INT64, [1]), ("context_phase_params", T.TYPE_UINT8, [-1]),
+    ("early_stopping", T.TYPE_BOOL, [1]), ("repetition_penalty", T.TYPE_FP32, [1]),
+    ("min_tokens", T.TYPE_INT32, [1]), ("beam_search_diversity_rate", T.TYPE_FP32, [1]),
+    ("presence_penalty", T.TYPE_FP32, [1]), ("frequency_penalty", T.TYPE_FP32, [1]), ("seed", T.TYPE_UINT64, [1]),
+    ("return_log_probs", T.TYPE_BOOL, [1]), ("return_context_logits", T.TYPE_BOOL, [1]),
+    ("return_generation_logits", T.TYPE_BOOL, [1]), ("return_perf_metrics", T.TYPE_BOOL, [1]),
+    ("return_num_input_tokens", T.TYPE_BOOL, [1]), ("return_num_output_tokens", T.TYPE_BOOL, [1]),
+    ("exclude_input_in_output", T.TYPE_BOOL, [1]), ("stop", T.TYPE_BOOL, [1]), ("streaming", T.TYPE_BOOL, [1]),
+    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1]), ("prompt_table_extra_ids", T.TYPE_UINT64, [-1]),
+    ("prompt_vocab_size", T.TYPE_INT32, [1]), ("cross_attention_mask", T.TYPE_BOOL, [-1, -1]),
+    ("mrope_rotary_cos_sin", T.TYPE_FP32, [-1]), ("mrope_position_deltas", T.TYPE_INT64, [1]),
+    ("lora_task_id", T.TYPE_UINT64, [1]), ("lora_weights", T.TYPE_FP16, [-1, -1]),
+    ("lora_config", T.TYPE_INT32, [-1, 3]), ("context_phase_params", T.TYPE_UINT8, [-1]),
     ("skip_cross_attn_blocks", T.TYPE_BOOL, [1]), ("retention_token_range_starts", T.TYPE_INT32, [-1]),
     ("retention_token_range_ends", T.TYPE_INT32, [-1]), ("retention_token_range_priorities", T.TYPE_INT32, [-1]),
     ("retention_token_range_durations_ms", T.TYPE_INT32, [-1]), ("retention_decode_priority", T.TYPE_INT32, [1]),
-    ("retention_decode_duration_ms", T.TYPE_INT32, [1]), ("lookahead_window_size", T.TYPE_INT32, [1]),
+    ("retention_decode_duration_ms", T.TYPE_INT32, [1]), ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
+    ("guided_decoding_guide", T.TYPE_STRING, [1]), ("lookahead_window_size", T.TYPE_INT32, [1]),
     ("lookahead_ngram_size", T.TYPE_INT32, [1]), ("lookahead_verification_set_size", T.TYPE_INT32, [1]),
 ]
-# Its outputs: the ones a request always gets from the native generator first (output_ids [beam, tokens] with one
-# beam, sequence_length, batch_index, sequence_index, token counts), then those it declares but never sends
-# (log probs, logits, disaggregated-serving and KV-cache statistics, timings: their requests are refused).
-TENSORRT_LLM_OUTPUTS = [
+TRTLLM_REQUIRED = ("input_lengths", "request_output_len")
+# [1] inputs the backend does not reshape to scalars; [-1]-shaped ones and these are ragged-batched
+TRTLLM_NOT_RESHAPED = ("mrope_position_deltas", "skip_cross_attn_blocks", "retention_decode_priority",
+                       "retention_decode_duration_ms", "guided_decoding_guide_type", "guided_decoding_guide",
+                       "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+# The native generator sends the first six on every response (output_ids [beam, tokens] with one beam); it never
+# sends log probs, logits, disaggregated-serving parameters, KV-cache statistics or timings (requests for them are
+# refused); the speculation statistics are its STATS.
+TRTLLM_MODEL_OUTPUTS = [
     ("output_ids", T.TYPE_INT32, [-1, -1]), ("sequence_length", T.TYPE_INT32, [-1]),
-    ("batch_index", T.TYPE_INT32, [1]), ("sequence_index", T.TYPE_INT32, [1]),
-    ("num_input_tokens", T.TYPE_INT32, [1]), ("num_output_tokens", T.TYPE_INT32, [1]),
     ("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1]),
     ("context_logits", T.TYPE_FP32, [-1, -1]), ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
+    ("batch_index", T.TYPE_INT32, [1]), ("sequence_index", T.TYPE_INT32, [1]),
     ("context_phase_params", T.TYPE_UINT8, [-1]), ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
     ("kv_cache_reused_blocks", T.TYPE_INT32, [1]), ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
     ("arrival_time_ns", T.TYPE_INT64, [1]), ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
     ("first_token_time_ns", T.TYPE_INT64, [1]), ("last_token_time_ns", T.TYPE_INT64, [1]),
+    ("acceptance_rate", T.TYPE_FP32, [1]), ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
+    ("total_draft_tokens", T.TYPE_INT32, [1]), ("num_input_tokens", T.TYPE_INT32, [1]),
+    ("num_output_tokens", T.TYPE_INT32, [1]),
 ]
 STATS = [  # generator -> postprocessing -> client, unchanged; the first three are TRT-LLM's names
     ("acceptance_rate", T.TYPE_FP32), ("total_accepted_draft_tokens", T.TYPE_INT32),
@@ -206,30 +228,46 @@ def read_config(path: Path) -> mc.ModelConfig:
 
 # --- the four configs -------------------------------------------------------------------------------------
 
+# tensorrtllm_backend's preprocessing interface (its config.pbtxt, same line), which its BLS model sends and
+# requests by name; the first five inputs and seven outputs are what bpcompile's preprocessing uses and makes,
+# the rest (encoder-decoder, multimodal, embedding bias, prompt tables) are declared and refused when sent.
+PREPROCESSING_INPUTS = [
+    ("QUERY", T.TYPE_STRING, [1], True), ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1], True),
+    ("STOP_WORDS_DICT", T.TYPE_STRING, [-1], True), ("BAD_WORDS_DICT", T.TYPE_STRING, [-1], True),
+    ("END_ID", T.TYPE_INT32, [1], True), ("PAD_ID", T.TYPE_INT32, [1], True),
+    ("DECODER_QUERY", T.TYPE_STRING, [1], True), ("IMAGE_BYTES", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("IMAGE_URL", T.TYPE_STRING, [1], True), ("IMAGES", T.TYPE_STRING, [-1], True),
+    ("VIDEO_BYTES", T.TYPE_UINT8, [-1, -1, -1, -1], True), ("EMBEDDING_BIAS_WORDS", T.TYPE_STRING, [-1], True),
+    ("EMBEDDING_BIAS_WEIGHTS", T.TYPE_FP32, [-1], True), ("PROMPT_TABLE_EXTRA_ID", T.TYPE_UINT64, [1], True),
+]
+PREPROCESSING_OUTPUTS = [
+    ("INPUT_ID", T.TYPE_INT32, [-1]), ("REQUEST_INPUT_LEN", T.TYPE_INT32, [1]),
+    ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [-1]), ("STOP_WORDS_IDS", T.TYPE_INT32, [2, -1]),
+    ("BAD_WORDS_IDS", T.TYPE_INT32, [2, -1]), ("OUT_END_ID", T.TYPE_INT32, [1]), ("OUT_PAD_ID", T.TYPE_INT32, [1]),
+    ("DECODER_INPUT_ID", T.TYPE_INT32, [-1]), ("REQUEST_DECODER_INPUT_LEN", T.TYPE_INT32, [1]),
+    ("EMBEDDING_BIAS", T.TYPE_FP32, [-1]), ("OUT_PROMPT_TABLE_EXTRA_IDS", T.TYPE_UINT64, [-1]),
+    ("PIXEL_VALUES", T.TYPE_FP16, [-1, -1, -1, -1]), ("ASPECT_RATIO_IDS", T.TYPE_INT64, [-1]),
+    ("ASPECT_RATIO_MASK", T.TYPE_INT64, [-1, -1]), ("CROSS_ATTENTION_MASK", T.TYPE_INT64, [-1, -1, -1]),
+    ("IMAGE_SIZES", T.TYPE_INT64, [-1, 2]), ("IS_VIDEO_INPUT", T.TYPE_BOOL, [1]),
+    ("ATTENTION_MASK", T.TYPE_INT64, [-1]), ("IMAGE_GRID_THW", T.TYPE_INT64, [3]),
+    ("VISION_INPUT_ID", T.TYPE_INT32, [-1]),
+]
+
+
 def preprocessing_config(max_batch_size: int, policy, instances: int = 1) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name="preprocessing", backend="python", max_batch_size=max_batch_size,
                          version_policy=version_policy_proto(policy))
-    _inputs(cfg, [("QUERY", T.TYPE_STRING, [1], True), ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1], True),
-                  ("STOP_WORDS_DICT", T.TYPE_STRING, [-1], True), ("BAD_WORDS_DICT", T.TYPE_STRING, [-1], True),
-                  ("END_ID", T.TYPE_INT32, [1], True)])
-    _outputs(cfg, [("INPUT_ID", T.TYPE_INT32, [-1]), ("REQUEST_INPUT_LEN", T.TYPE_INT32, [1]),
-                   ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1]), ("STOP_WORDS_IDS", T.TYPE_INT32, [2, -1]),
-                   ("BAD_WORDS_IDS", T.TYPE_INT32, [2, -1]), ("OUT_END_ID", T.TYPE_INT32, [1])])
+    _inputs(cfg, PREPROCESSING_INPUTS)
+    _outputs(cfg, PREPROCESSING_OUTPUTS)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
     return cfg
 
 
-GENERATOR_INPUTS = [  # all optional: the generator tells its two interfaces apart by input_ids
-    ("input_ids", T.TYPE_INT32, [-1], True), ("input_lengths", T.TYPE_INT32, [1], True),
-    ("request_output_len", T.TYPE_INT32, [1], True), ("end_id", T.TYPE_INT32, [1], True),
-    ("stop_words_list", T.TYPE_INT32, [2, -1], True), ("bad_words_list", T.TYPE_INT32, [2, -1], True),
-    ("streaming", T.TYPE_BOOL, [1], True), ("temperature", T.TYPE_FP32, [1], True),
-    ("runtime_top_k", T.TYPE_INT32, [1], True), ("runtime_top_p", T.TYPE_FP32, [1], True),
-    ("seed", T.TYPE_UINT64, [1], True),
-]
 # The generator also takes the ensemble's own requests (text in, text out; models/generator.py): only on a
-# request sent to the generator itself does a client's cancellation or disconnect reach the generation loop.
-GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in {g[0] for g in GENERATOR_INPUTS}]
+# request sent to the generator itself does a client's cancellation or disconnect reach the generation loop. It
+# tells its interfaces apart by input_ids, so every input is optional.
+_TRTLLM_NAMES = {n for n, _, _ in TRTLLM_MODEL_INPUTS}
+GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in _TRTLLM_NAMES]
 GENERATOR_TEXT_OUTPUTS = [("text_output", T.TYPE_STRING, [-1]), ("response_index", T.TYPE_INT32, [1]),
                           ("finish_reason", T.TYPE_STRING, [1])]
 
@@ -239,12 +277,12 @@ def generator_config(max_batch_size: int, policy, instances: int = 1, device: st
     cfg = mc.ModelConfig(name=GENERATOR, backend="python", max_batch_size=max_batch_size,
                          version_policy=version_policy_proto(policy))
     cfg.model_transaction_policy.decoupled = True
-    _inputs(cfg, GENERATOR_INPUTS + GENERATOR_TEXT_INPUTS
-            + [(n, t, d, True) for n, t, d in BACKEND_INPUTS + TENSORRT_LLM_INPUTS])
-    _outputs(cfg, [("CONTEXT_IDS", T.TYPE_INT32, [-1]), ("READ_OFFSET", T.TYPE_INT32, [1]),
-                   ("IS_FINAL", T.TYPE_BOOL, [1]), ("RESPONSE_INDEX", T.TYPE_INT32, [1]),
-                   ("FINISH_REASON", T.TYPE_STRING, [1])] + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS
-             + TENSORRT_LLM_OUTPUTS)
+    _inputs(cfg, [(n, t, d, True) for n, t, d in TRTLLM_MODEL_INPUTS] + GENERATOR_TEXT_INPUTS
+            + [(n, t, d, True) for n, t, d in BACKEND_INPUTS if n not in _TRTLLM_NAMES])
+    ours = [("CONTEXT_IDS", T.TYPE_INT32, [-1]), ("READ_OFFSET", T.TYPE_INT32, [1]), ("IS_FINAL", T.TYPE_BOOL, [1]),
+            ("RESPONSE_INDEX", T.TYPE_INT32, [1]), ("FINISH_REASON", T.TYPE_STRING, [1])] \
+        + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS
+    _outputs(cfg, ours + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in {n for n, _, _ in ours}])
     # One instance = one runtime = one in-flight batch; more instances are more model copies, each its own batch.
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
     # exclude_input_in_output: what a request that does not send it gets (the backend's parameter of that name)
@@ -272,39 +310,110 @@ def postprocessing_config(max_batch_size: int, policy, target: str = "native") -
     return cfg
 
 
-def trtllm_generator_config(max_batch_size: int, engine_path: str, *, kv_cache_free_gpu_mem_fraction=0.9,
+DRAFT, BLS = "tensorrt_llm_draft", "tensorrt_llm_bls"  # target tensorrt-llm with a draft: the backend's names
+BLS_ENV = "BPCOMPILE_TRTLLM_BLS_DIR"
+# Where TensorRT-LLM's Triton containers keep tensorrtllm_backend's BLS model (its model.py and lib/): the BLS is
+# the backend's own code, copied into the repository at emission, not part of bpcompile.
+BLS_CANDIDATES = ("/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1",
+                  "/app/tensorrt_llm/triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1")
+
+
+def trtllm_engine_path(version: int, role: str) -> str:
+    """gpt_model_path of a version's engine, relative to the repository: tritonserver resolves it against its
+    working directory, which `bpcompile serve` sets to the repository (by hand: start tritonserver in it)."""
+    return f"{GENERATOR}/{version}/engine/trtllm/{role}"
+
+
+def trtllm_generator_config(max_batch_size: int, engine_path: str, *, name: str = GENERATOR, decoupled: bool = True,
+                            kv_cache_reuse: bool = False, kv_cache_free_gpu_mem_fraction=0.9,
                             batch_scheduler_policy="guaranteed_no_evict", max_queue_delay_microseconds=0,
                             gpu_device_ids: str = "", tokenizer_dir: str = "") -> mc.ModelConfig:
-    """The generator as the C++ `tensorrtllm` backend. Model versions do not apply to it: the
-    engine is named by gpt_model_path, which add_version points at the newest version."""
-    cfg = mc.ModelConfig(name=GENERATOR, backend="tensorrtllm", max_batch_size=max_batch_size)
-    cfg.model_transaction_policy.decoupled = True  # needed for streaming
+    """A TensorRT-LLM engine as the C++ `tensorrtllm` backend serves it, with the backend's tensorrt_llm inputs and
+    outputs. Model versions do not apply to it: the engine is named by gpt_model_path, which add_version points at
+    the newest version. With a draft model (speculative decoding through the BLS model) both engines are
+    non-decoupled and reuse KV blocks, as tensorrtllm_backend sets them up."""
+    cfg = mc.ModelConfig(name=name, backend="tensorrtllm", max_batch_size=max_batch_size)
+    cfg.model_transaction_policy.decoupled = decoupled
     cfg.dynamic_batching.preferred_batch_size.append(max_batch_size)
     cfg.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_microseconds
-    inp = [("input_ids", T.TYPE_INT32, [-1], False), ("input_lengths", T.TYPE_INT32, [1], False),
-           ("request_output_len", T.TYPE_INT32, [1], False), ("end_id", T.TYPE_INT32, [1], True),
-           ("stop_words_list", T.TYPE_INT32, [2, -1], True), ("bad_words_list", T.TYPE_INT32, [2, -1], True),
-           ("streaming", T.TYPE_BOOL, [1], True), ("temperature", T.TYPE_FP32, [1], True),
-           ("runtime_top_k", T.TYPE_INT32, [1], True), ("runtime_top_p", T.TYPE_FP32, [1], True),
-           ("seed", T.TYPE_UINT64, [1], True), ("return_perf_metrics", T.TYPE_BOOL, [1], True)]
-    _inputs(cfg, inp)
+    _inputs(cfg, [(n, t, d, n not in TRTLLM_REQUIRED) for n, t, d in TRTLLM_MODEL_INPUTS])
     for i in cfg.input:
-        if i.name == "input_ids":
-            i.allow_ragged_batch = True
-        if i.name in ("input_lengths", "request_output_len") or (i.dims == [1] and i.name != "input_ids"):
+        if list(i.dims) == [1] and i.name not in TRTLLM_NOT_RESHAPED:
             i.reshape.SetInParent()  # [1] -> scalar, as tensorrtllm_backend declares them
-    _outputs(cfg, [("output_ids", T.TYPE_INT32, [-1, -1]), ("sequence_length", T.TYPE_INT32, [-1]),
-                   ("acceptance_rate", T.TYPE_FP32, [1]), ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
-                   ("total_draft_tokens", T.TYPE_INT32, [1])])
+        elif -1 in i.dims or i.name in TRTLLM_NOT_RESHAPED:
+            i.allow_ragged_batch = True
+    _outputs(cfg, TRTLLM_MODEL_OUTPUTS)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
     _params(cfg, gpt_model_path=engine_path, gpt_model_type="inflight_fused_batching",
             batch_scheduler_policy=batch_scheduler_policy,
             kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction, max_beam_width=1,
-            exclude_input_in_output="true", enable_kv_cache_reuse="false", decoupled_mode="true",
+            exclude_input_in_output="true", enable_kv_cache_reuse="true" if kv_cache_reuse else "false",
+            decoupled_mode="true" if decoupled else "false",
             cancellation_check_period_ms=100, stats_check_period_ms=100, FORCE_CPU_ONLY_INPUT_TENSORS="no",
             **({"gpu_device_ids": gpu_device_ids} if gpu_device_ids else {}),
             **({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}))
     return cfg
+
+
+# tensorrtllm_backend's tensorrt_llm_bls model (its config.pbtxt, same line): the draft-target loop (draft model
+# proposes num_draft_tokens, the target verifies them) as a decoupled Python model calling preprocessing,
+# tensorrt_llm_draft, tensorrt_llm and postprocessing.
+BLS_INPUTS = [
+    ("text_input", T.TYPE_STRING, [1], False), ("decoder_text_input", T.TYPE_STRING, [1], True),
+    ("image_input", T.TYPE_FP16, [-1, 3, -1, -1], True), ("image_bytes_input", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("image_url_input", T.TYPE_STRING, [1], True), ("video_bytes_input", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("max_tokens", T.TYPE_INT32, [1], False), ("bad_words", T.TYPE_STRING, [-1], True),
+    ("stop_words", T.TYPE_STRING, [-1], True), ("exclude_input_in_output", T.TYPE_BOOL, [1], True),
+    ("end_id", T.TYPE_INT32, [1], True), ("pad_id", T.TYPE_INT32, [1], True), ("top_k", T.TYPE_INT32, [1], True),
+    ("top_p", T.TYPE_FP32, [1], True), ("temperature", T.TYPE_FP32, [1], True),
+    ("length_penalty", T.TYPE_FP32, [1], True), ("repetition_penalty", T.TYPE_FP32, [1], True),
+    ("min_tokens", T.TYPE_INT32, [1], True), ("presence_penalty", T.TYPE_FP32, [1], True),
+    ("frequency_penalty", T.TYPE_FP32, [1], True), ("seed", T.TYPE_UINT64, [1], True),
+    ("return_log_probs", T.TYPE_BOOL, [1], True), ("return_context_logits", T.TYPE_BOOL, [1], True),
+    ("return_generation_logits", T.TYPE_BOOL, [1], True), ("num_return_sequences", T.TYPE_INT32, [1], True),
+    ("beam_width", T.TYPE_INT32, [1], True), ("stream", T.TYPE_BOOL, [1], True),
+    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1], True), ("prompt_vocab_size", T.TYPE_INT32, [1], True),
+    ("prompt_table_extra_id", T.TYPE_UINT64, [1], True), ("embedding_bias_words", T.TYPE_STRING, [-1], True),
+    ("embedding_bias_weights", T.TYPE_FP32, [-1], True), ("num_draft_tokens", T.TYPE_INT32, [1], True),
+    ("use_draft_logits", T.TYPE_BOOL, [1], True), ("lora_task_id", T.TYPE_UINT64, [1], True),
+    ("lora_weights", T.TYPE_FP16, [-1, -1], True), ("lora_config", T.TYPE_INT32, [-1, 3], True),
+    ("return_perf_metrics", T.TYPE_BOOL, [1], True), ("return_num_input_tokens", T.TYPE_BOOL, [1], True),
+    ("return_num_output_tokens", T.TYPE_BOOL, [1], True), ("guided_decoding_guide_type", T.TYPE_STRING, [1], True),
+    ("guided_decoding_guide", T.TYPE_STRING, [1], True),
+]
+BLS_RESHAPED = ("return_log_probs", "return_context_logits", "return_generation_logits", "num_return_sequences",
+                "use_draft_logits", "lora_task_id", "return_perf_metrics", "return_num_input_tokens",
+                "return_num_output_tokens")
+
+
+def bls_config(max_batch_size: int, instances: int = 1) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=BLS, backend="python", max_batch_size=max_batch_size)
+    cfg.model_transaction_policy.decoupled = True
+    _inputs(cfg, BLS_INPUTS)
+    for i in cfg.input:
+        if i.name in BLS_RESHAPED:
+            i.reshape.SetInParent()
+        if i.name in ("lora_weights", "lora_config"):
+            i.allow_ragged_batch = True
+    _outputs(cfg, [("text_output", T.TYPE_STRING, [-1])]
+             + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in ("output_ids", "sequence_length", "context_phase_params")])
+    _params(cfg, accumulate_tokens="false", tensorrt_llm_model_name=GENERATOR, tensorrt_llm_draft_model_name=DRAFT,
+            multimodal_encoders_name="")
+    cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
+    return cfg
+
+
+def find_bls_source(explicit: Optional[Union[str, Path]] = None) -> Path:
+    """tensorrtllm_backend's BLS model directory (model.py and lib/): `explicit`, else $BPCOMPILE_TRTLLM_BLS_DIR,
+    else where TensorRT-LLM's Triton containers keep it."""
+    tried = [explicit] if explicit else ([os.environ[BLS_ENV]] if os.environ.get(BLS_ENV) else list(BLS_CANDIDATES))
+    for c in tried:
+        if (Path(c) / "model.py").is_file():
+            return Path(c)
+    raise UserError(f"target tensorrt-llm with a draft model needs tensorrtllm_backend's {BLS} model (its model.py "
+                    f"and lib/, which TensorRT-LLM's Triton containers ship); none found at {', '.join(map(str, tried))}. "
+                    f"Emit inside that container, or point {BLS_ENV} (or emit --bls-from) at its "
+                    f"all_models/inflight_batcher_llm/{BLS}/1 directory", key="target")
 
 
 def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConfig:
@@ -559,10 +668,16 @@ def _tokenizer_hash(engine_dir: Path) -> str:
     return hashlib.sha256((engine_dir / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
+def _speculative_trtllm(engine_dir: Path, target: str) -> bool:
+    """Target tensorrt-llm with a draft engine: served through the BLS model (draft-target speculative decoding)."""
+    return target == "tensorrt-llm" and _engine_config(engine_dir).speculative.tree == "chain"
+
+
 def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
-                   link: bool) -> tuple[list[tuple[Path, Path]], dict]:
-    """Fill hidden staging directories for model_dir/<version>/ of the three models; returns the renames that
-    publish them (generator last) and the version's summary entry."""
+                   link: bool, bls_source: Optional[Path] = None) -> tuple[list[tuple[Path, Path]], dict]:
+    """Fill hidden staging directories for model_dir/<version>/ of the three models (and, for a TensorRT-LLM
+    draft-target pair, of tensorrt_llm_draft, empty, and tensorrt_llm_bls, the backend's BLS files); returns the
+    renames that publish them (generator last) and the version's summary entry."""
     engine_dir = Path(engine_dir).resolve()
     existing = [m for m in VERSIONED if (repo / m / str(version)).exists()]
     if existing:
@@ -589,9 +704,14 @@ def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
             {"engine_dir": str(engine_dir), "copied": not link, "name": m.get("name"),
              "version": m.get("version"), "build_id": m.get("build_id")}, indent=2) + "\n")
 
+    fills = [("preprocessing", copy_tokenizer("preprocessing")), ("postprocessing", copy_tokenizer("postprocessing"))]
+    if _speculative_trtllm(engine_dir, target):  # the C++ backend takes the draft engine from gpt_model_path
+        src = find_bls_source(bls_source)
+        fills += [(DRAFT, lambda d: None),
+                  (BLS, lambda d: shutil.copytree(src, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+                      "__pycache__")))]
     renames = []
-    for model, fill in (("preprocessing", copy_tokenizer("preprocessing")),
-                        ("postprocessing", copy_tokenizer("postprocessing")), (GENERATOR, fill_generator)):
+    for model, fill in fills + [(GENERATOR, fill_generator)]:
         tmp = repo / model / f".staging-{version}-{uuid.uuid4().hex[:8]}"  # Triton ignores non-numeric names
         tmp.mkdir(parents=True)
         renames.append((tmp, repo / model / str(version)))
@@ -653,27 +773,32 @@ def _prepare(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo: Path, *,
     if target == "native":
         configs[GENERATOR] = generator_config(mbs, policy, gen_inst, device, tree)
     else:
-        v, _ = engines[-1]
-        configs[GENERATOR] = trtllm_generator_config(
-            mbs, str((repo / GENERATOR / str(v) / "engine" / "trtllm" / "verifier").resolve()),
-            tokenizer_dir=str((repo / "preprocessing" / str(v) / "tokenizer").resolve()))
+        v, newest = engines[-1]
+        spec = _speculative_trtllm(newest, target)
+        configs[GENERATOR] = trtllm_generator_config(mbs, trtllm_engine_path(v, "verifier"), decoupled=not spec,
+                                                     kv_cache_reuse=spec, tokenizer_dir=f"preprocessing/{v}/tokenizer")
+        if spec:
+            configs[DRAFT] = trtllm_generator_config(mbs, trtllm_engine_path(v, "draft"), name=DRAFT,
+                                                     decoupled=False, kv_cache_reuse=True)
+            configs[BLS] = bls_config(mbs)
     return {"engines": engines, "name": names[0], "target": target, "policy": policy, "mbs": mbs,
             "device": device, "tree": tree, "configs": configs}
 
 
-def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool) -> dict:
-    if any((repo / m / "config.pbtxt").is_file() for m in VERSIONED + ("ensemble",)):
+def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source=None) -> dict:
+    ours = VERSIONED + ("ensemble", DRAFT, BLS)
+    if any((repo / m / "config.pbtxt").is_file() for m in ours):
         if not overwrite:
             raise UserError(f"{repo} already holds a model repository; use add_version, or overwrite=True",
                             file=str(repo))
-        for m in VERSIONED + ("ensemble",):  # ours: the marker says so
+        for m in ours:  # ours: the marker says so
             shutil.rmtree(repo / m, ignore_errors=True)
-    for m in VERSIONED + ("ensemble",):
+    for m in plan["configs"]:
         (repo / m).mkdir(exist_ok=True)
     (repo / "ensemble" / "1").mkdir(exist_ok=True)
     renames, written = [], []
     for v, p in plan["engines"]:
-        r, w = _stage_version(repo, v, p, plan["target"], link)
+        r, w = _stage_version(repo, v, p, plan["target"], link, bls_source)
         renames += r
         written.append(w)
     for name, cfg in plan["configs"].items():
@@ -691,11 +816,13 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
                     target: Optional[str] = None, version_policy=None, max_batch_size: Optional[int] = None,
                     preprocessing_instances: int = 1, generator_instances: Optional[int] = None,
                     device: str = "cpu", tree: Optional[dict] = None, link: bool = False,
-                    overwrite: bool = False) -> dict:
+                    overwrite: bool = False, bls_source: Optional[Union[str, Path]] = None) -> dict:
     """Write a complete repository holding the given engine versions (of one engine). Defaults come from the
     newest engine's recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
 
     `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}).
+    `bls_source`: tensorrtllm_backend's tensorrt_llm_bls/1 directory, for target tensorrt-llm with a draft
+    (default: $BPCOMPILE_TRTLLM_BLS_DIR, else where TensorRT-LLM's Triton containers keep it).
     The directory must be new, empty or a repository bpcompile emitted for the same engine name. An existing
     repository is refused unless overwrite=True (use add_version to add to one)."""
     repo = Path(repo_dir)
@@ -703,10 +830,10 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
                     preprocessing_instances=preprocessing_instances, generator_instances=generator_instances,
                     device=device, tree=tree)
     with _locked(repo, plan["name"], [p for _, p in plan["engines"]]) as repaired:
-        return dict(_emit_locked(repo, plan, link, overwrite), repaired=repaired)
+        return dict(_emit_locked(repo, plan, link, overwrite, bls_source), repaired=repaired)
 
 
-def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool) -> dict:
+def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool, bls_source=None) -> dict:
     if not (repo / GENERATOR / "config.pbtxt").is_file():
         raise UserError(f"{repo} is not an emitted repository (no tensorrt_llm/config.pbtxt); run emit first",
                         file=str(repo))
@@ -716,18 +843,19 @@ def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool) -> dict:
     if engine_target != target:
         raise UserError(f"engine {engine_dir} is for target {engine_target!r} but {repo} serves {target!r}",
                         key="target")
-    renames, w = _stage_version(repo, version, engine_dir, target, link)
+    renames, w = _stage_version(repo, version, engine_dir, target, link, bls_source)
     note = None
     old_tok = {v.get("tokenizer") for v in summary.get("versions", [])}
     if old_tok and w["tokenizer"] not in old_tok:
         note = ("this version has a different tokenizer: load preprocessing, generator and postprocessing together "
                 "(unload the ensemble first) so no request mixes tokenizers")
     if target == "tensorrt-llm":  # the C++ backend takes its engine from a parameter, not a version dir
-        final = repo / GENERATOR / "config.pbtxt"
-        cfg = read_config(final)
-        cfg.parameters["gpt_model_path"].string_value = str(
-            (repo / GENERATOR / str(version) / "engine" / "trtllm" / "verifier").resolve())
-        renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
+        for model, role in ((GENERATOR, "verifier"), (DRAFT, "draft")):
+            final = repo / model / "config.pbtxt"
+            if final.is_file():
+                cfg = read_config(final)
+                cfg.parameters["gpt_model_path"].string_value = trtllm_engine_path(version, role)
+                renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
     summary.setdefault("versions", []).append(w)
     renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
     fault_point("emit")
@@ -735,13 +863,14 @@ def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool) -> dict:
     return {"repo": str(repo), "added": w, "versions": _versions(repo), "note": note}
 
 
-def add_version(repo_dir: Union[str, Path], version: int, engine_dir: Union[str, Path], *, link: bool = False) -> dict:
+def add_version(repo_dir: Union[str, Path], version: int, engine_dir: Union[str, Path], *, link: bool = False,
+                bls_source: Optional[Union[str, Path]] = None) -> dict:
     """Add one engine version to an emitted repository without touching what is being served (configs are
     unchanged; the server picks the version up on its next load of the models, or poll)."""
     repo, engine_dir = Path(repo_dir), Path(engine_dir)
     check_repository(repo, None)
     with _locked(repo, _engine_name(engine_dir), [engine_dir]) as repaired:
-        return dict(_add_locked(repo, int(version), engine_dir, link), repaired=repaired)
+        return dict(_add_locked(repo, int(version), engine_dir, link, bls_source), repaired=repaired)
 
 
 def set_version_policy(repo_dir: Union[str, Path], policy) -> dict:

@@ -105,7 +105,52 @@ def server_command(repo_dir, run_dir, *, http_port=8000, grpc_port=8001, metrics
         args += [f"--load-model={m}" for m in load_models]
     if model_control == "poll":
         args += ["--repository-poll-secs=2"]
-    return [binary, *args, *extra_args], env
+    cmd = [binary, *args, *extra_args]
+    world, engines = trtllm_world(repo)
+    if world > 1:  # TensorRT-LLM engines over several GPUs: one tritonserver per rank under MPI
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            raise MissingDependency(f"{repo} serves TensorRT-LLM engines built for {world} ranks (tp x pp), which "
+                                    "tritonserver runs as one process per rank under MPI: mpirun is not on PATH "
+                                    "(serve inside TensorRT-LLM's Triton container)", key="target")
+        cmd = mpi_command(cmd, world, engines, mpirun)
+    return cmd, env
+
+
+def trtllm_world(repo: Path) -> tuple[int, list[str]]:
+    """(world size, the tensorrtllm-backend models) of a repository: tp x pp of its newest TensorRT-LLM engine
+    version; (1, []) for the native target."""
+    import json
+
+    try:
+        summary = json.loads((repo / "bpcompile_repository.json").read_text())
+    except (OSError, ValueError):
+        return 1, []
+    if summary.get("target") != "tensorrt-llm" or not summary.get("versions"):
+        return 1, []
+    from bpcompile.core.engine import EngineConfig
+    from bpcompile.serving.emit import DRAFT, GENERATOR
+
+    newest = max(v["version"] for v in summary["versions"])
+    par = EngineConfig.load(repo / GENERATOR / str(newest) / "engine").parallel
+    return par.tp * par.pp, [m for m in (GENERATOR, DRAFT) if (repo / m / "config.pbtxt").is_file()]
+
+
+def mpi_command(cmd: list[str], world: int, trtllm_models: list[str], mpirun: str = "mpirun") -> list[str]:
+    """tritonserver once per rank under one mpirun, as tensorrtllm_backend launches a multi-GPU engine: rank 0 is
+    the server clients talk to; ranks 1.. load only the TensorRT-LLM models (explicit model control), whose
+    backend joins them to rank 0's executor. Each rank's Python backend gets its own shared-memory prefix."""
+    drop = ("--model-control-mode=", "--load-model=", "--repository-poll-secs=", "--http-restricted-api=",
+            "--grpc-restricted-protocol=")
+    out = [mpirun, "--allow-run-as-root"]
+    for rank in range(world):
+        args = cmd if rank == 0 else [a for a in cmd if not a.startswith(drop)] + \
+            ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in trtllm_models]
+        out += ["-n", "1", *args, "--disable-auto-complete-config",
+                f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        if rank < world - 1:
+            out.append(":")
+    return out
 
 
 def free_port() -> int:
@@ -172,8 +217,9 @@ class ServerProcess:
                 log_verbose=self.log_verbose, exit_timeout=self.exit_timeout)
             with open(self.log_file, "ab") as log:
                 # own process group: a terminal's Ctrl-C reaches only us, and we stop the server deliberately
+                # the repository is the working directory: TensorRT-LLM engine paths in it are relative to it
                 self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+                                             start_new_session=True, cwd=str(Path(self.repo_dir).resolve()))
             self.wait_ready()
         except BaseException:
             self.stop(drain_timeout=0)

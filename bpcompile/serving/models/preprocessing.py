@@ -15,6 +15,11 @@ from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInte
                                        scalar)
 
 
+# the backend's preprocessing inputs bpcompile declares (its BLS model may send them) but does not implement
+UNSUPPORTED = ("DECODER_QUERY", "IMAGE_BYTES", "IMAGE_URL", "IMAGES", "VIDEO_BYTES", "EMBEDDING_BIAS_WORDS",
+               "EMBEDDING_BIAS_WEIGHTS", "PROMPT_TABLE_EXTRA_ID")
+
+
 def _optional(request, name):
     t = pb_utils.get_input_tensor_by_name(request, name)
     return None if t is None else t.as_numpy()
@@ -38,6 +43,13 @@ class TritonPythonModel:
         bad = pack_words(self.text.words(get("BAD_WORDS_DICT"), "bad_words"))
         eos = self.text.eos if self.text.eos is not None else -1
         end_id = scalar(get, "END_ID", eos, int)
+        pad_id = scalar(get, "PAD_ID", end_id, int)  # the backend's default pad is a real token too
+        for name in UNSUPPORTED:
+            a = get(name)
+            if a is not None and np.asarray(a).size and any(
+                    x not in (b"", "") for x in np.asarray(a, dtype=object).reshape(-1)):
+                raise BadRequest(f"{name} is not supported by bpcompile's preprocessing (encoder-decoder and "
+                                 "multimodal inputs, embedding bias and prompt tables are not implemented): leave it out")
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
             pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(ids)]], dtype=np.int32)),
@@ -45,6 +57,7 @@ class TritonPythonModel:
             pb_utils.Tensor("STOP_WORDS_IDS", stop[None]),
             pb_utils.Tensor("BAD_WORDS_IDS", bad[None]),
             pb_utils.Tensor("OUT_END_ID", np.array([[end_id]], dtype=np.int32)),
+            pb_utils.Tensor("OUT_PAD_ID", np.array([[pad_id]], dtype=np.int32)),
         ])
 
     def execute(self, requests):
