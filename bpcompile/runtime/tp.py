@@ -3,7 +3,7 @@
 Rank 0 is the engine the caller holds: its scheduler, speculative step and sampler run there alone. Its
 executors do the host bookkeeping (pages, slots, padding) and, before each computation, broadcast that call's
 tensors to the other ranks (`Peers.send`). Every other rank is a worker process (`python -m
-bpcompile.runtime.tp`) that holds its own shard of each model (its rank file only: runtime/model.py
+bpcompile.runtime.tp_worker`) that holds its own shard of each model (its rank file only: runtime/model.py
 `Llama.from_rank`) and its share of each KV cache (`KVPlan.shard`) and runs the same `Executor.run_*` calls in
 the same order; the models' row-split linears all-reduce and their heads all-gather, so every rank ends each
 forward with the whole logits and rank 0 samples from them.
@@ -48,7 +48,7 @@ def connect(port: int, rank: int, world: int):
     return dist.ProcessGroupGloo(store, rank, world, OP_TIMEOUT)
 
 
-def _broadcast_bytes(group, data: Optional[bytes]) -> bytes:
+def broadcast_bytes(group, data: Optional[bytes]) -> bytes:
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     group.broadcast(n, 0).wait()
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else \
@@ -80,7 +80,7 @@ class Peers:
         if dead:
             raise RuntimeError(f"tensor-parallel worker process(es) {dead} exited (see their error output); "
                                "restart the engine")
-        _broadcast_bytes(self.group, pickle.dumps((role, name, args)))
+        broadcast_bytes(self.group, pickle.dumps((role, name, args)))
 
     def close(self, timeout: float = 30.0) -> None:
         if self.closed:
@@ -88,7 +88,7 @@ class Peers:
         self.closed = True
         try:
             if all(p.poll() is None for p in self.procs):
-                _broadcast_bytes(self.group, pickle.dumps((None, "stop", ())))
+                broadcast_bytes(self.group, pickle.dumps((None, "stop", ())))
         finally:
             for p in self.procs:
                 try:
@@ -108,7 +108,7 @@ def launch(engine_dir: Path, tp: int, spec: dict) -> tuple[object, list[subproce
     for rank in range(1, tp):
         arg = json.dumps({"engine": str(engine_dir), "rank": rank, "tp": tp, "port": port, "threads": threads,
                           "spec": spec})
-        procs.append(subprocess.Popen([_python(), "-m", "bpcompile.runtime.tp", arg], stdin=subprocess.PIPE,
+        procs.append(subprocess.Popen([_python(), "-m", "bpcompile.runtime.tp_worker", arg], stdin=subprocess.PIPE,
                                       env=os.environ.copy()))
     box: dict = {}
 
@@ -133,45 +133,3 @@ def launch(engine_dir: Path, tp: int, spec: dict) -> tuple[object, list[subproce
             p.kill()
         raise UserError(f"tensor-parallel ranks did not connect: {box['error']}", key="tp")
     return box["group"], procs
-
-
-def _watch_parent() -> None:
-    """Exit when rank 0 goes away (its end of our stdin closes)."""
-    def run():
-        try:
-            while sys.stdin.buffer.read(1):
-                pass
-        finally:
-            os._exit(0)
-    threading.Thread(target=run, daemon=True).start()
-
-
-def worker(arg: dict) -> None:
-    from bpcompile.runtime.generator import Generator, TreeSpec
-
-    _watch_parent()
-    torch.set_num_threads(arg["threads"])
-    group = connect(arg["port"], arg["rank"], arg["tp"])
-    spec = dict(arg["spec"], tree=TreeSpec(**arg["spec"]["tree"]))
-    gen = Generator.from_engine(arg["engine"], tp=arg["tp"], _rank=arg["rank"], _group=group, **spec)
-    executors = {"verifier": gen.v_exec, "draft": gen.d_exec}
-    with torch.inference_mode():
-        while True:
-            role, name, args = pickle.loads(_broadcast_bytes(group, None))
-            if name == "stop":
-                return
-            if not name.startswith("run_"):
-                raise RuntimeError(f"unexpected command {name!r}")
-            getattr(executors[role], name)(*args)
-
-
-if __name__ == "__main__":
-    try:
-        worker(json.loads(sys.argv[1]))
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    os._exit(0)
