@@ -439,3 +439,34 @@ def test_tiny_pair_heldout_greedy_identical(tmp_path):
         assert [t for t, _ in one] == ref, (spec.kind, "batch 1")
         tau = sum(s.committed for _, s in res) / sum(s.verifier_steps for _, s in res)
         assert tau > 1.5, (spec.kind, tau)
+
+
+@pytest.mark.parametrize("temperature, kind", [(0.0, "dynamic"), (0.8, "chain"), (0.0, "none")])
+def test_logprobs_are_the_verifiers_own(tmp_path, pair, temperature, kind):
+    """Each generated token's log probability (asked for with SamplingParams.logprobs), whether it came from an
+    accepted draft, the verifier's bonus token or the prefill, equals transformers' log-softmax (over
+    logits / temperature when sampling) of the HF checkpoint at that position, on the tokens the runtime chose."""
+    from transformers import AutoModelForCausalLM
+
+    v, d = pair
+    gen = Generator(v, d if kind != "none" else None, TREES.get(kind), max_batch_size=4, page_size=4)
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=3, logprobs=True)
+    ids = {gen.add_request(p, params): p for p in PROMPTS[:3]}
+    toks = {rid: [] for rid in ids}
+    lps = {rid: [] for rid in ids}
+    while gen.has_work():
+        for o in gen.step():
+            toks[o.request_id] += o.new_tokens
+            lps[o.request_id] += o.logprobs
+            assert len(o.logprobs) == len(o.new_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(save_hf(v, tmp_path / "hf"), dtype=torch.float32).eval()
+    for rid, prompt in ids.items():
+        t = toks[rid]
+        assert len(t) == 12
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + t])).logits[0, len(prompt) - 1:-1].double()
+        want = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, torch.tensor(t)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(lps[rid], dtype=torch.float64), want, atol=1e-4), (lps[rid], want)
+    plain = Generator(v, None, None, max_batch_size=4, page_size=4)
+    plain.add_request(PROMPTS[0], SamplingParams(max_tokens=3))
+    assert all(o.logprobs is None for o in plain.step())  # not asked: none computed

@@ -162,7 +162,7 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=False) == p + want
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=True) == want
         assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
-    refused = {"beam_width": np.array([[2]], np.int32), "return_log_probs": np.array([[True]]),
+    refused = {"beam_width": np.array([[2]], np.int32), "return_context_logits": np.array([[True]]),
                "repetition_penalty": np.array([[1.2]], np.float32),
                "lora_task_id": np.array([[7]], np.uint64)}
     for name, value in refused.items():
@@ -204,20 +204,25 @@ def inflight_client_request(url, ids, n, *, stream, **extra):
             raise RemoteError(str(r))
         ids_, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
         assert ids_.shape[:2] == (1, 1) and lens.shape == (1, 1) and r.as_numpy("batch_index")[0][0] == 0
-        out.append((list(ids_[0][0]), int(lens[0][0])))
+        if "return_log_probs" in extra:
+            out.append((list(ids_[0][0]), list(r.as_numpy("output_log_probs")[0][0]),
+                        float(r.as_numpy("cum_log_probs")[0][0])))
+        else:
+            out.append((list(ids_[0][0]), int(lens[0][0])))
     return out
 
 
 def test_inflight_batcher_llm_client_requests(server, tokenizer):
     """tensorrtllm_backend's own low-level client talks token ids to `tensorrt_llm`: non-streamed, one response
     with the prompt then the generated tokens (exclude_input_in_output false) or the generated ones only;
-    streamed, the generated tokens over several responses. top-k 1 = the runtime's greedy output."""
+    streamed, the generated tokens over several responses. top-k 1 = the runtime's greedy output. Log probs on
+    request (return_log_probs)."""
     from bpcompile.runtime.generator import Generator, SamplingParams
 
     gen = Generator.from_engine(server.engines[1])
     prompts = [tokenizer.encode(p).ids for p in PROMPTS[:3]]
-    want = [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=16))]
-    for ids, w in zip(prompts, want):
+    want_tokens = [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=16))]
+    for ids, w in zip(prompts, want_tokens):
         (got, n), = inflight_client_request(server.grpc_url, ids, 16, stream=False)
         assert got == w and n == 16
         (got, n), = inflight_client_request(server.grpc_url, ids, 16, stream=False,
@@ -225,6 +230,21 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
         assert got == ids + w and n == len(ids) + 16
         parts = inflight_client_request(server.grpc_url, ids, 16, stream=True)
         assert len(parts) > 1 and [t for p, _ in parts for t in p] == w and all(len(p) == k for p, k in parts)
+    w0 = want_tokens[0]
+    # return_log_probs: the runtime's log probability of each generated token (tests/test_runtime.py checks those
+    # against transformers), per response, and their running sum
+    ref = Generator.from_engine(server.engines[1])
+    rid = ref.add_request(prompts[0], SamplingParams(max_tokens=16, logprobs=True))
+    want = []
+    while ref.has_work():
+        want += [lp for o in ref.step() if o.request_id == rid for lp in o.logprobs]
+    # (greedy: the client's default top-k 1 makes every token's probability 1 under the distribution it samples)
+    flag = {"return_log_probs": np.array([[True]]), "temperature": np.array([[0.0]], np.float32)}
+    (got, lps, cum), = inflight_client_request(server.grpc_url, prompts[0], 16, stream=False, **flag)
+    assert got == w0 and len(lps) == 16 and np.allclose(lps, want, atol=1e-5)
+    assert abs(cum - sum(want)) < 1e-3
+    parts = inflight_client_request(server.grpc_url, prompts[0], 16, stream=True, **flag)
+    assert np.allclose([x for _, p, _ in parts for x in p], want, atol=1e-5) and abs(parts[-1][2] - sum(want)) < 1e-3
     for name, value in {"draft_input_ids": np.array([[5, 6]], np.int32), "stop": np.array([[True]]),
                         "runtime_top_p_decay": np.array([[0.5]], np.float32)}.items():
         with pytest.raises(RemoteError, match=name):

@@ -26,7 +26,7 @@ from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import Llama
 from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, cache_pages, float_store_factory,
                                         kernels_for)
-from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops
+from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops, token_logprobs
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
@@ -284,6 +284,9 @@ class Generator:
         t0 = time.perf_counter()
         last = self.v_exec.prefill(reqs, True)
         first = [self._pick(r, last[b]) for b, r in enumerate(reqs)]
+        for b, (r, t) in enumerate(zip(reqs, first)):
+            if r.params.logprobs:
+                r.logprobs += token_logprobs(r.sampling, last[b:b + 1], [t])
         t1 = time.perf_counter()
         if self.d_exec is not None:
             self.d_exec.prefill(reqs, False)

@@ -30,6 +30,7 @@ class LoopRequest:
     params: SamplingParams
     rid: str = ""                      # the runtime's request id, once admitted
     out: list[int] = field(default_factory=list)  # tokens generated so far
+    logprobs: list[float] = field(default_factory=list)  # of `out`, when params.logprobs
     steps: int = 0                     # generator steps this request took part in
 
 
@@ -135,6 +136,8 @@ class InflightLoop:
                 continue
             req.steps += 1
             req.out.extend(int(t) for t in o.new_tokens)
+            if o.logprobs is not None:
+                req.logprobs.extend(o.logprobs)
             if o.finished:
                 del self.running[o.request_id]
             self.on_output(req, o)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from bpcompile.runtime.speculative import Sampling
 
 
@@ -17,6 +19,7 @@ class SamplingParams:
     seed: Optional[int] = None
     end_id: Optional[int] = None  # not included in the output
     stop_words: list[list[int]] = field(default_factory=list)  # token sequences; included in the output
+    logprobs: bool = False  # return each generated token's log probability (see token_logprobs)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class StepOutput:
     finished: bool
     finish_reason: Optional[str]  # "length" | "stop" | "cancelled"
     stats: RequestStats
+    logprobs: Optional[list[float]] = None  # of new_tokens, when the request asked for them
 
 
 @dataclass
@@ -55,11 +59,12 @@ class Request:
     d_len: int = 0
     pages: int = 0  # worst-case pages reserved per cache
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[float] = field(default_factory=list)  # of the generated tokens (params.logprobs)
 
 
 def apply_stops(r: Request, toks: list[int]) -> StepOutput:
     """Append newly committed tokens to r.out up to end_id (excluded), a stop word (included) or max_tokens."""
-    p, new, reason = r.params, [], None
+    p, new, reason, start = r.params, [], None, len(r.out)
     for t in toks:
         if p.end_id is not None and t == p.end_id:
             reason = "stop"
@@ -73,4 +78,17 @@ def apply_stops(r: Request, toks: list[int]) -> StepOutput:
             reason = "length"
             break
     r.stats.tokens = len(r.out)
-    return StepOutput(r.id, new, reason is not None, reason, r.stats)
+    # r.out is a prefix of the generated tokens, and r.logprobs follows the generated tokens
+    lps = r.logprobs[start:len(r.out)] if p.logprobs else None
+    return StepOutput(r.id, new, reason is not None, reason, r.stats, lps)
+
+
+def token_logprobs(sampling: Sampling, rows: torch.Tensor, tokens: list[int]) -> list[float]:
+    """log P(token) for each row of logits [N, V] and its chosen token: under the verifier's distribution as this
+    request samples from it (temperature, top-k and top-p applied; greedy: the plain softmax), as TensorRT-LLM
+    reports output_log_probs."""
+    idx = torch.tensor(tokens, device=rows.device)[:, None]
+    if sampling.greedy:
+        return torch.log_softmax(rows.float(), -1).gather(1, idx)[:, 0].tolist()
+    probs = torch.stack([sampling.probs(row) for row in rows])
+    return probs.gather(1, idx.to(probs.device))[:, 0].clamp(min=torch.finfo(torch.float64).tiny).log().tolist()

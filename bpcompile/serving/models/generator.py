@@ -207,7 +207,7 @@ class TritonPythonModel:
         end_id = scalar(get, "end_id", default_end, int)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
-                                stop_words=stop)
+                                stop_words=stop, logprobs=scalar(get, "return_log_probs", False, bool))
         return _Job(prompt, params, stream=stream, text=text, exclude=exclude)
 
     @staticmethod
@@ -265,6 +265,11 @@ class TritonPythonModel:
         # tensorrtllm_backend's outputs: this response's tokens as [batch, beam, tokens] with one beam (the prompt
         # first in a non-streamed response when exclude_input_in_output is false), their count per beam
         new = ctx[read:]
+        # log probabilities of this response's generated tokens and their running sum (zeros unless
+        # return_log_probs: the ensemble maps these outputs, so every response carries them)
+        lps = job.logprobs[start:len(job.out)] if job.params.logprobs else [0.0] * (len(job.out) - start)
+        outs += [t("cum_log_probs", [float(sum(job.logprobs)) if job.params.logprobs else 0.0], np.float32),
+                 t("output_log_probs", [lps], np.float32)]
         outs += [t("output_ids", [new], np.int32), t("sequence_length", [len(new)], np.int32),
                  t("batch_index", [0], np.int32), t("sequence_index", [0], np.int32),
                  t("num_input_tokens", [len(job.prompt)], np.int32), t("num_output_tokens", [len(job.out)], np.int32)]
