@@ -470,3 +470,31 @@ def test_logprobs_are_the_verifiers_own(tmp_path, pair, temperature, kind):
     plain = Generator(v, None, None, max_batch_size=4, page_size=4)
     plain.add_request(PROMPTS[0], SamplingParams(max_tokens=3))
     assert all(o.logprobs is None for o in plain.step())  # not asked: none computed
+
+
+def test_context_and_generation_logits_are_the_verifiers(tmp_path, pair):
+    """Asked for, the first output carries the verifier's logits at every prompt position and each output the
+    logits each of its tokens was chosen from (drafted and verified in one tree forward, or the prefill's): both
+    equal transformers' logits of the HF checkpoint on the same sequence, in a batch of prompts of three lengths."""
+    from transformers import AutoModelForCausalLM
+
+    v, d = pair
+    gen = Generator(v, d, TREES["dynamic"], max_batch_size=4, page_size=4)
+    params = SamplingParams(max_tokens=10, context_logits=True, generation_logits=True)
+    ids = {gen.add_request(p, params): p for p in PROMPTS[:3]}
+    toks, ctx, rows = {r: [] for r in ids}, {}, {r: [] for r in ids}
+    while gen.has_work():
+        for o in gen.step():
+            toks[o.request_id] += o.new_tokens
+            if o.context_logits is not None:
+                assert o.request_id not in ctx
+                ctx[o.request_id] = o.context_logits
+            if o.new_tokens:
+                assert o.generation_logits.shape == (len(o.new_tokens), CFG.vocab_size)
+                rows[o.request_id].append(o.generation_logits)
+    hf = AutoModelForCausalLM.from_pretrained(save_hf(v, tmp_path / "hf"), dtype=torch.float32).eval()
+    for rid, prompt in ids.items():
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + toks[rid]])).logits[0]
+        assert torch.allclose(ctx[rid], logits[:len(prompt)], atol=1e-4)
+        assert torch.allclose(torch.cat(rows[rid]), logits[len(prompt) - 1:-1], atol=1e-4)

@@ -162,7 +162,7 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=False) == p + want
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=True) == want
         assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
-    refused = {"beam_width": np.array([[2]], np.int32), "return_context_logits": np.array([[True]]),
+    refused = {"beam_width": np.array([[2]], np.int32), "return_perf_metrics": np.array([[True]]),
                "repetition_penalty": np.array([[1.2]], np.float32),
                "lora_task_id": np.array([[7]], np.uint64)}
     for name, value in refused.items():
@@ -171,7 +171,7 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
     assert generate_remote(url, PROMPTS[0], MAX_TOKENS)["token_ids"] == reference[PROMPTS[0]]  # still serving
 
 
-def inflight_client_request(url, ids, n, *, stream, **extra):
+def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
     """A request shaped as tensorrtllm_backend's inflight_batcher_llm_client.py shapes it: to the model named
     tensorrt_llm, its prepare_inputs' ten default inputs as [1, N] / [1, 1] arrays (temperature 1.0 and top-k 1 as
     its flags default, end_id -1 = none, pad_id 50256), all outputs. Returns its callback's view: per response
@@ -202,6 +202,9 @@ def inflight_client_request(url, ids, n, *, stream, **extra):
         r = done.get()
         if isinstance(r, Exception):
             raise RemoteError(str(r))
+        if raw:
+            out.append(r)
+            continue
         ids_, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
         assert ids_.shape[:2] == (1, 1) and lens.shape == (1, 1) and r.as_numpy("batch_index")[0][0] == 0
         if "return_log_probs" in extra:
@@ -245,6 +248,21 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     assert abs(cum - sum(want)) < 1e-3
     parts = inflight_client_request(server.grpc_url, prompts[0], 16, stream=True, **flag)
     assert np.allclose([x for _, p, _ in parts for x in p], want, atol=1e-5) and abs(parts[-1][2] - sum(want)) < 1e-3
+    # return_context_logits / return_generation_logits: the verifier's logits over the prompt (first response) and
+    # for each generated token, [batch, prompt, vocab] and [batch, beam, tokens, vocab]
+    ref = Generator.from_engine(server.engines[1])
+    rid = ref.add_request(prompts[1], SamplingParams(max_tokens=8, context_logits=True, generation_logits=True))
+    ctx, rows = None, []
+    while ref.has_work():
+        for o in ref.step():
+            ctx = o.context_logits if o.context_logits is not None else ctx
+            rows += [o.generation_logits] if o.new_tokens else []
+    results = inflight_client_request(server.grpc_url, prompts[1], 8, stream=False, raw=True,
+                                      return_context_logits=np.array([[True]]),
+                                      return_generation_logits=np.array([[True]]))
+    c, g = results[0].as_numpy("context_logits"), results[0].as_numpy("generation_logits")
+    assert c.shape == (1, len(prompts[1]), ctx.shape[1]) and g.shape == (1, 1, 8, ctx.shape[1])
+    assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(g[0, 0], np.concatenate(rows), atol=1e-4)
     for name, value in {"draft_input_ids": np.array([[5, 6]], np.int32), "stop": np.array([[True]]),
                         "runtime_top_p_decay": np.array([[0.5]], np.float32)}.items():
         with pytest.raises(RemoteError, match=name):

@@ -32,9 +32,10 @@ class Executor:
     def _dense_width(self) -> int:
         return self.kv.dense.k.shape[3] if self.kv.dense is not None else 0
 
-    def prefill(self, reqs: list[Request], last_logits: bool) -> Optional[torch.Tensor]:
+    def prefill(self, reqs: list[Request], last_logits: bool, all_logits: bool = False) -> Optional[torch.Tensor]:
         """Prompts through the model (right-padded, causal over the prompt alone), K/V into the cache;
-        the logits of each prompt's last token [B, V] when last_logits."""
+        the logits of each prompt's last token [B, V] when last_logits, of every position [B, T, V] when
+        all_logits."""
         dev, kv = self.device, self.kv
         lens = [len(r.prompt) for r in reqs]
         B, T = len(reqs), max(lens)
@@ -48,7 +49,10 @@ class Executor:
             at = (torch.tensor([[kv.rows[r.id]] * len(r.prompt) + [kv.dense.null] * (T - len(r.prompt))
                                 for r in reqs], device=dev).view(-1), torch.arange(T, device=dev).repeat(B))
         same = len(set(lens)) == 1
-        logits = self._call("run_prefill", tok, flat, at, same or not last_logits, self._dense_width())
+        logits = self._call("run_prefill", tok, flat, at, not all_logits and (same or not last_logits),
+                            self._dense_width())
+        if all_logits:
+            return logits
         if not last_logits:
             return None
         return logits[:, -1] if same else logits[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]

@@ -26,7 +26,7 @@ from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import Llama
 from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, cache_pages, float_store_factory,
                                         kernels_for)
-from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops, token_logprobs
+from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops, keep_logits
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
@@ -192,6 +192,9 @@ class Generator:
             raise UserError(f"prompt must be a non-empty list of token ids in [0, {V})")
         if p.max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1 (got {p.max_tokens})", key="max_tokens")
+        if p.context_logits and self.executor != "torch":
+            raise UserError("context logits need the torch executor (the exported prefill graph returns the last "
+                            "position's logits only)", key="context_logits")
         if len(prompt_ids) + p.max_tokens > self.max_seq_len:
             raise UserError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_seq_len "
                             f"({self.max_seq_len})", key="max_tokens")
@@ -282,11 +285,17 @@ class Generator:
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        last = self.v_exec.prefill(reqs, True)
+        if any(r.params.context_logits for r in reqs):  # every prompt position's logits, not only the last
+            full = self.v_exec.prefill(reqs, True, all_logits=True)
+            for b, r in enumerate(reqs):
+                if r.params.context_logits:
+                    r.context_logits = full[b, :len(r.prompt)].float().cpu()
+            last = full[torch.arange(len(reqs)), torch.tensor([len(r.prompt) - 1 for r in reqs])]
+        else:
+            last = self.v_exec.prefill(reqs, True)
         first = [self._pick(r, last[b]) for b, r in enumerate(reqs)]
         for b, (r, t) in enumerate(zip(reqs, first)):
-            if r.params.logprobs:
-                r.logprobs += token_logprobs(r.sampling, last[b:b + 1], [t])
+            keep_logits(r, last[b:b + 1], [t])
         t1 = time.perf_counter()
         if self.d_exec is not None:
             self.d_exec.prefill(reqs, False)

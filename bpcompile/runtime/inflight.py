@@ -31,6 +31,8 @@ class LoopRequest:
     rid: str = ""                      # the runtime's request id, once admitted
     out: list[int] = field(default_factory=list)  # tokens generated so far
     logprobs: list[float] = field(default_factory=list)  # of `out`, when params.logprobs
+    context_logits: Optional[object] = None  # [prompt, vocab] tensor, when params.context_logits
+    generation_logits: list = field(default_factory=list)  # [n, vocab] tensors covering `out`, in order
     steps: int = 0                     # generator steps this request took part in
 
 
@@ -138,6 +140,10 @@ class InflightLoop:
             req.out.extend(int(t) for t in o.new_tokens)
             if o.logprobs is not None:
                 req.logprobs.extend(o.logprobs)
+            if o.context_logits is not None:
+                req.context_logits = o.context_logits
+            if o.generation_logits is not None:
+                req.generation_logits.append(o.generation_logits)
             if o.finished:
                 del self.running[o.request_id]
             self.on_output(req, o)

@@ -20,6 +20,8 @@ class SamplingParams:
     end_id: Optional[int] = None  # not included in the output
     stop_words: list[list[int]] = field(default_factory=list)  # token sequences; included in the output
     logprobs: bool = False  # return each generated token's log probability (see token_logprobs)
+    context_logits: bool = False  # return the verifier's logits at every prompt position (first output)
+    generation_logits: bool = False  # return the verifier's logits each generated token was chosen from
 
 
 @dataclass
@@ -43,6 +45,8 @@ class StepOutput:
     finish_reason: Optional[str]  # "length" | "stop" | "cancelled"
     stats: RequestStats
     logprobs: Optional[list[float]] = None  # of new_tokens, when the request asked for them
+    context_logits: Optional[torch.Tensor] = None  # [prompt tokens, vocab] float32, on the first output
+    generation_logits: Optional[torch.Tensor] = None  # [new tokens, vocab] float32
 
 
 @dataclass
@@ -60,6 +64,8 @@ class Request:
     pages: int = 0  # worst-case pages reserved per cache
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[float] = field(default_factory=list)  # of the generated tokens (params.logprobs)
+    context_logits: Optional[torch.Tensor] = None  # params.context_logits: until the first output takes them
+    generation_logits: list[torch.Tensor] = field(default_factory=list)  # rows of the generated tokens (CPU)
 
 
 def apply_stops(r: Request, toks: list[int]) -> StepOutput:
@@ -80,7 +86,17 @@ def apply_stops(r: Request, toks: list[int]) -> StepOutput:
     r.stats.tokens = len(r.out)
     # r.out is a prefix of the generated tokens, and r.logprobs follows the generated tokens
     lps = r.logprobs[start:len(r.out)] if p.logprobs else None
-    return StepOutput(r.id, new, reason is not None, reason, r.stats, lps)
+    gen = torch.stack(r.generation_logits[start:len(r.out)]) if p.generation_logits and new else None
+    ctx, r.context_logits = r.context_logits, None
+    return StepOutput(r.id, new, reason is not None, reason, r.stats, lps, ctx, gen)
+
+
+def keep_logits(r: Request, rows: torch.Tensor, tokens: list[int]) -> None:
+    """What a request asked to get back about the tokens just chosen from these logits rows [N, V]."""
+    if r.params.logprobs:
+        r.logprobs += token_logprobs(r.sampling, rows, tokens)
+    if r.params.generation_logits:
+        r.generation_logits += list(rows.detach().float().cpu())
 
 
 def token_logprobs(sampling: Sampling, rows: torch.Tensor, tokens: list[int]) -> list[float]:

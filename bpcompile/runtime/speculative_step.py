@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 from bpcompile.runtime.executor import Executor, Moves
-from bpcompile.runtime.request import Request, token_logprobs
+from bpcompile.runtime.request import Request, keep_logits
 from bpcompile.runtime.speculative import (AcceptanceCalibration, AcceptRule, BackOff, DraftTree, TreeSpec,
                                            make_builder, residual_rule, verify_greedy, verify_sampling)
 
@@ -110,9 +110,9 @@ class SpeculativeStep:
             else:
                 results.append(verify_sampling(tree, lambda i, b=b, r=r: r.sampling.probs(logits[b, i]),
                                                r.sampling.rng, self.accept_rule))
-            if r.params.logprobs:  # node path[j] predicted the j-th committed token (the last one: the bonus)
-                path, bonus = results[-1]
-                r.logprobs += token_logprobs(r.sampling, logits[b, path], [tree.tokens[n] for n in path[1:]] + [bonus])
+            if r.params.logprobs or r.params.generation_logits:  # node path[j] predicted the j-th committed
+                path, bonus = results[-1]  # token (the last one: the bonus)
+                keep_logits(r, logits[b, path], [tree.tokens[n] for n in path[1:]] + [bonus])
         return results
 
     def _commit(self, reqs: list[Request], trees: list[DraftTree], results, builders) -> list[list[int]]:

@@ -425,7 +425,8 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
     if target == "native":
         outs += [("response_index", T.TYPE_INT32, [1]), ("finish_reason", T.TYPE_STRING, [1])]
         outs += [(n, t, [1]) for n, t in STATS]
-        outs += [("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1])]
+        outs += [("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1]),
+                 ("context_logits", T.TYPE_FP32, [-1, -1]), ("generation_logits", T.TYPE_FP32, [-1, -1, -1])]
     else:
         outs += [(n, t, [1]) for n, t in STATS[:3]]
     _outputs(cfg, outs)
@@ -449,7 +450,8 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
         gen_in.update({n: n for n, _, _ in BACKEND_INPUTS})
         mid = ["CONTEXT_IDS", "READ_OFFSET", "IS_FINAL", "RESPONSE_INDEX", "FINISH_REASON"] + [n for n, _ in STATS]
         step(GENERATOR, gen_in, {**{n: "_" + n.upper() for n in mid},
-                                 "cum_log_probs": "cum_log_probs", "output_log_probs": "output_log_probs"})
+                                 **{n: n for n in ("cum_log_probs", "output_log_probs", "context_logits",
+                                                   "generation_logits")}})
         post_out = {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids", "OUT_RESPONSE_INDEX": "response_index",
                     "OUT_FINISH_REASON": "finish_reason"}
         post_out.update({"OUT_" + n: n for n, _ in STATS})

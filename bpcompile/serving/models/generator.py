@@ -207,7 +207,9 @@ class TritonPythonModel:
         end_id = scalar(get, "end_id", default_end, int)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
-                                stop_words=stop, logprobs=scalar(get, "return_log_probs", False, bool))
+                                stop_words=stop, logprobs=scalar(get, "return_log_probs", False, bool),
+                                context_logits=scalar(get, "return_context_logits", False, bool),
+                                generation_logits=scalar(get, "return_generation_logits", False, bool))
         return _Job(prompt, params, stream=stream, text=text, exclude=exclude)
 
     @staticmethod
@@ -270,6 +272,13 @@ class TritonPythonModel:
         lps = job.logprobs[start:len(job.out)] if job.params.logprobs else [0.0] * (len(job.out) - start)
         outs += [t("cum_log_probs", [float(sum(job.logprobs)) if job.params.logprobs else 0.0], np.float32),
                  t("output_log_probs", [lps], np.float32)]
+        if job.context_logits is not None and job.index == 0:  # [batch, prompt, vocab], on the first response
+            outs.append(pb_utils.Tensor("context_logits", job.context_logits.numpy()[None]))
+        if job.params.generation_logits and len(job.out) > start:  # [batch, beam, tokens, vocab]
+            import torch
+
+            rows = torch.cat(job.generation_logits)[start:len(job.out)]
+            outs.append(pb_utils.Tensor("generation_logits", rows.numpy()[None, None]))
         outs += [t("output_ids", [new], np.int32), t("sequence_length", [len(new)], np.int32),
                  t("batch_index", [0], np.int32), t("sequence_index", [0], np.int32),
                  t("num_input_tokens", [len(job.prompt)], np.int32), t("num_output_tokens", [len(job.out)], np.int32)]
