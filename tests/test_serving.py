@@ -162,7 +162,7 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=False) == p + want
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=True) == want
         assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
-    refused = {"beam_width": np.array([[2]], np.int32), "return_perf_metrics": np.array([[True]]),
+    refused = {"beam_width": np.array([[2]], np.int32), "presence_penalty": np.array([[0.5]], np.float32),
                "repetition_penalty": np.array([[1.2]], np.float32),
                "lora_task_id": np.array([[7]], np.uint64)}
     for name, value in refused.items():
@@ -263,6 +263,15 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     c, g = results[0].as_numpy("context_logits"), results[0].as_numpy("generation_logits")
     assert c.shape == (1, len(prompts[1]), ctx.shape[1]) and g.shape == (1, 1, 8, ctx.shape[1])
     assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(g[0, 0], np.concatenate(rows), atol=1e-4)
+    # return_perf_metrics: the request's KV blocks (its whole reservation, none reused) and its timestamps in order
+    r, = inflight_client_request(server.grpc_url, prompts[0], 8, stream=False, raw=True,
+                                 return_perf_metrics=np.array([[True]]))
+    m = {k: int(r.as_numpy(k)[0][0]) for k in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                                              "kv_cache_alloc_total_blocks", "arrival_time_ns",
+                                              "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")}
+    assert m["kv_cache_alloc_total_blocks"] == m["kv_cache_alloc_new_blocks"] >= -(-(len(prompts[0]) + 8) // 16)
+    assert m["kv_cache_reused_blocks"] == 0
+    assert 0 < m["arrival_time_ns"] <= m["first_scheduled_time_ns"] <= m["first_token_time_ns"] <= m["last_token_time_ns"]
     for name, value in {"draft_input_ids": np.array([[5, 6]], np.int32), "stop": np.array([[True]]),
                         "runtime_top_p_decay": np.array([[0.5]], np.float32)}.items():
         with pytest.raises(RemoteError, match=name):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Optional
@@ -34,6 +35,8 @@ class LoopRequest:
     context_logits: Optional[object] = None  # [prompt, vocab] tensor, when params.context_logits
     generation_logits: list = field(default_factory=list)  # [n, vocab] tensors covering `out`, in order
     steps: int = 0                     # generator steps this request took part in
+    admitted_ns: int = 0               # wall clock (time.time_ns) when the loop handed it to the runtime
+    pages: int = 0                     # KV pages the runtime reserved for it (per cache)
 
 
 class InflightLoop:
@@ -113,6 +116,8 @@ class InflightLoop:
     def _admit(self, req: LoopRequest) -> None:
         try:
             req.rid = self.gen.add_request(req.prompt, req.params)
+            req.admitted_ns = time.time_ns()
+            req.pages = self.gen.scheduler.pages_of(req.rid)
         except Exception as e:
             self.on_rejected(req, e)
             return

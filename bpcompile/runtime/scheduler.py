@@ -41,6 +41,11 @@ class Scheduler:
             new.append(r)
         return new
 
+    def pages_of(self, rid: str) -> int:
+        """Worst-case KV pages reserved (running) or to be reserved (waiting) for request rid."""
+        r = self.running.get(rid) or next((r for r in self.waiting if r.id == rid), None)
+        return r.pages if r is not None else 0
+
     def drop_waiting(self, rid: str) -> Optional[Request]:
         if rid not in self.waiting_ids:
             return None

@@ -31,8 +31,9 @@ bpcompile_generator_requests (in the batch or queued for it), bpcompile_generato
 bpcompile_generator_kv_pages_used. Each cancellation is also logged with the generator step it was seen at.
 """
 import json
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,10 @@ class _Job(LoopRequest):
     sent: int = 0        # tokens of `out` already sent
     index: int = 0       # RESPONSE_INDEX of the next response
     exclude: bool = True  # exclude_input_in_output: false puts the prompt before a non-streamed output
+    perf: bool = False   # return_perf_metrics: KV blocks and timestamps on every response
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_token_ns: int = 0
+    last_token_ns: int = 0
 
 
 class _TritonLoop(InflightLoop):
@@ -74,6 +79,9 @@ class _TritonLoop(InflightLoop):
         m.set("kv_pages", self.gen.vkv.capacity - len(self.gen.vkv.free))
 
     def on_output(self, job: _Job, o) -> None:
+        if o.new_tokens:
+            job.last_token_ns = time.time_ns()
+            job.first_token_ns = job.first_token_ns or job.last_token_ns
         if job.stream and (len(job.out) > job.sent or o.finished):
             self.model._send(job, job.sent, o)
         elif o.finished:
@@ -210,7 +218,8 @@ class TritonPythonModel:
                                 stop_words=stop, logprobs=scalar(get, "return_log_probs", False, bool),
                                 context_logits=scalar(get, "return_context_logits", False, bool),
                                 generation_logits=scalar(get, "return_generation_logits", False, bool))
-        return _Job(prompt, params, stream=stream, text=text, exclude=exclude)
+        return _Job(prompt, params, stream=stream, text=text, exclude=exclude,
+                    perf=scalar(get, "return_perf_metrics", False, bool))
 
     @staticmethod
     def _word_list(get, name):
@@ -279,6 +288,13 @@ class TritonPythonModel:
 
             rows = torch.cat(job.generation_logits)[start:len(job.out)]
             outs.append(pb_utils.Tensor("generation_logits", rows.numpy()[None, None]))
+        if job.perf:  # no prefix reuse: every block of the request's reservation is newly allocated
+            outs += [t("kv_cache_alloc_new_blocks", [job.pages], np.int32), t("kv_cache_reused_blocks", [0], np.int32),
+                     t("kv_cache_alloc_total_blocks", [job.pages], np.int32),
+                     t("arrival_time_ns", [job.arrival_ns], np.int64),
+                     t("first_scheduled_time_ns", [job.admitted_ns], np.int64),
+                     t("first_token_time_ns", [job.first_token_ns], np.int64),
+                     t("last_token_time_ns", [job.last_token_ns], np.int64)]
         outs += [t("output_ids", [new], np.int32), t("sequence_length", [len(new)], np.int32),
                  t("batch_index", [0], np.int32), t("sequence_index", [0], np.int32),
                  t("num_input_tokens", [len(job.prompt)], np.int32), t("num_output_tokens", [len(job.out)], np.int32)]
