@@ -498,3 +498,45 @@ def test_context_and_generation_logits_are_the_verifiers(tmp_path, pair):
             logits = hf(torch.tensor([prompt + toks[rid]])).logits[0]
         assert torch.allclose(ctx[rid], logits[:len(prompt)], atol=1e-4)
         assert torch.allclose(torch.cat(rows[rid]), logits[len(prompt) - 1:-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["none", "dynamic"])
+def test_repetition_penalty_matches_transformers(tmp_path, pair, kind):
+    """Greedy with repetition_penalty 1.3 (TensorRT-LLM's and transformers' rule: a seen token's positive logit
+    divided, a negative one multiplied, prompt included) gives transformers' own generate(repetition_penalty=1.3)
+    tokens, verifier only and with a dynamic tree (each tree node penalized with its own path)."""
+    from transformers import AutoModelForCausalLM
+
+    v, d = pair
+    hf = AutoModelForCausalLM.from_pretrained(save_hf(v, tmp_path / "hf"), dtype=torch.float32).eval()
+    gen = Generator(v, d if kind != "none" else None, TREES.get(kind), max_batch_size=4, page_size=4)
+    out = gen.generate(PROMPTS, SamplingParams(max_tokens=16, repetition_penalty=1.3))
+    for prompt, (toks, _) in zip(PROMPTS, out):
+        ids = torch.tensor([prompt])  # (an explicit mask: token 0 is also the pad id these prompts may hold)
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                           repetition_penalty=1.3, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert toks == want
+    plain = [t for t, _ in Generator(v, None, None, max_batch_size=4, page_size=4).generate(
+        PROMPTS, SamplingParams(max_tokens=16))]
+    assert [t for t, _ in out] != plain  # the penalty changed something
+
+
+def test_presence_frequency_and_min_tokens(pair):
+    """The additive penalties on a hand-made row, and speculation = verifier only with all penalties on."""
+    from bpcompile.runtime.request import apply_penalties
+
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, min_tokens=3, end_id=1)
+    row = torch.tensor([1.0, 2.0, -1.0, 4.0, 0.5])
+    got = apply_penalties(row, p, [2, 2, 3, 0], generated=2)
+    # token 2 (x2): -1 * 2 - 0.5 - 0.5; token 3: 4 / 2 - 0.5 - 0.25; token 0: 1 / 2 - 0.75; end id 1: held back
+    assert got.tolist() == [1.0 / 2 - 0.75, float("-inf"), -2.0 - 1.0, 2.0 - 0.75, 0.5]
+    assert apply_penalties(row, p, [], generated=3).tolist() == row.tolist()  # nothing seen, min_tokens reached
+    v, d = pair
+    params = SamplingParams(max_tokens=16, presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.2,
+                            min_tokens=10, end_id=int(v(torch.tensor([PROMPTS[2]]))[0, -1].argmax()))
+    ref = Generator(v, None, None, max_batch_size=4, page_size=4).generate(PROMPTS, params)
+    spec = Generator(v, d, TREES["dynamic"], max_batch_size=4, page_size=4).generate(PROMPTS, params)
+    assert [t for t, _ in spec] == [t for t, _ in ref]
+    assert all(len(t) >= 10 for t, _ in ref)
+    with pytest.raises(UserError, match="min_tokens"):
+        Generator(v, None, None).add_request([5], SamplingParams(max_tokens=4, min_tokens=5))

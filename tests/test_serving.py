@@ -162,8 +162,8 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=False) == p + want
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=True) == want
         assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
-    refused = {"beam_width": np.array([[2]], np.int32), "presence_penalty": np.array([[0.5]], np.float32),
-               "repetition_penalty": np.array([[1.2]], np.float32),
+    refused = {"beam_width": np.array([[2]], np.int32), "num_return_sequences": np.array([[2]], np.int32),
+               "prompt_vocab_size": np.array([[5]], np.int32),
                "lora_task_id": np.array([[7]], np.uint64)}
     for name, value in refused.items():
         with pytest.raises(RemoteError, match=name):
@@ -263,6 +263,15 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     c, g = results[0].as_numpy("context_logits"), results[0].as_numpy("generation_logits")
     assert c.shape == (1, len(prompts[1]), ctx.shape[1]) and g.shape == (1, 1, 8, ctx.shape[1])
     assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(g[0, 0], np.concatenate(rows), atol=1e-4)
+    # penalties and min_tokens: what the runtime does with them (tests/test_runtime.py checks the runtime's
+    # repetition penalty against transformers' generate)
+    pen = dict(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1)
+    ref = Generator.from_engine(server.engines[1])
+    (want_pen, _), = ref.generate([prompts[2]], SamplingParams(max_tokens=16, **pen))
+    (got, n), = inflight_client_request(server.grpc_url, prompts[2], 16, stream=False,
+                                        temperature=np.array([[0.0]], np.float32),
+                                        **{k: np.array([[v]], np.float32) for k, v in pen.items()})
+    assert got == want_pen != want_tokens[2]
     # return_perf_metrics: the request's KV blocks (its whole reservation, none reused) and its timestamps in order
     r, = inflight_client_request(server.grpc_url, prompts[0], 8, stream=False, raw=True,
                                  return_perf_metrics=np.array([[True]]))

@@ -26,7 +26,8 @@ from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import Llama
 from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, cache_pages, float_store_factory,
                                         kernels_for)
-from bpcompile.runtime.request import Request, RequestStats, SamplingParams, StepOutput, apply_stops, keep_logits
+from bpcompile.runtime.request import (Request, RequestStats, SamplingParams, StepOutput, apply_penalties,
+                                       apply_stops, keep_logits, penalized)
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
@@ -201,6 +202,13 @@ class Generator:
         # `not (x >= 0)` rather than `x < 0`: NaN fails every comparison and would slip through.
         if not (0 <= p.temperature < math.inf) or p.top_k < 0 or not (0 < p.top_p <= 1):
             raise UserError("a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
+        if not (0 < p.repetition_penalty < math.inf) or not all(math.isfinite(x) for x in
+                                                                 (p.presence_penalty, p.frequency_penalty)):
+            raise UserError("repetition_penalty must be a finite number > 0 (1 = off), presence_penalty and "
+                            "frequency_penalty finite numbers (0 = off)", key="repetition_penalty")
+        if not (0 <= p.min_tokens <= p.max_tokens):
+            raise UserError(f"min_tokens must be in [0, max_tokens = {p.max_tokens}] (got {p.min_tokens})",
+                            key="min_tokens")
         rid = request_id or uuid.uuid4().hex
         if rid in self.scheduler:
             raise UserError(f"request id {rid!r} is already in use")
@@ -293,6 +301,9 @@ class Generator:
             last = full[torch.arange(len(reqs)), torch.tensor([len(r.prompt) - 1 for r in reqs])]
         else:
             last = self.v_exec.prefill(reqs, True)
+        last = [apply_penalties(last[b], r.params, r.prompt, 0) if penalized(r.params) else last[b]
+                for b, r in enumerate(reqs)]
+        last = torch.stack(last)
         first = [self._pick(r, last[b]) for b, r in enumerate(reqs)]
         for b, (r, t) in enumerate(zip(reqs, first)):
             keep_logits(r, last[b:b + 1], [t])

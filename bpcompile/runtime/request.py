@@ -19,6 +19,13 @@ class SamplingParams:
     seed: Optional[int] = None
     end_id: Optional[int] = None  # not included in the output
     stop_words: list[list[int]] = field(default_factory=list)  # token sequences; included in the output
+    # TensorRT-LLM's penalties, over every token of the sequence (prompt included): repetition divides a positive
+    # logit and multiplies a negative one; presence subtracts once per token seen, frequency once per occurrence
+    # (both after temperature); min_tokens holds end_id back until that many tokens are generated
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
     logprobs: bool = False  # return each generated token's log probability (see token_logprobs)
     context_logits: bool = False  # return the verifier's logits at every prompt position (first output)
     generation_logits: bool = False  # return the verifier's logits each generated token was chosen from
@@ -89,6 +96,29 @@ def apply_stops(r: Request, toks: list[int]) -> StepOutput:
     gen = torch.stack(r.generation_logits[start:len(r.out)]) if p.generation_logits and new else None
     ctx, r.context_logits = r.context_logits, None
     return StepOutput(r.id, new, reason is not None, reason, r.stats, lps, ctx, gen)
+
+
+def penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or (
+        p.min_tokens > 0 and p.end_id is not None)
+
+
+def apply_penalties(row: torch.Tensor, p: SamplingParams, seen: list[int], generated: int) -> torch.Tensor:
+    """The logits row [V] of the next token after the sequence `seen` (prompt and generated tokens; `generated`
+    of them generated), with the request's penalties applied (a new tensor)."""
+    row = row.clone()
+    if seen and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(seen, device=row.device).unique(return_counts=True)
+        x = row[ids]
+        if p.repetition_penalty != 1.0:
+            x = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        # additive terms scaled by the temperature, so that they act on logits / temperature as TensorRT-LLM's do
+        scale = p.temperature if p.temperature > 0 else 1.0
+        x = x - scale * (p.presence_penalty + p.frequency_penalty * counts.to(x.dtype))
+        row[ids] = x
+    if p.end_id is not None and generated < p.min_tokens:
+        row[p.end_id] = float("-inf")
+    return row
 
 
 def keep_logits(r: Request, rows: torch.Tensor, tokens: list[int]) -> None:

@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 from bpcompile.runtime.executor import Executor, Moves
-from bpcompile.runtime.request import Request, keep_logits
+from bpcompile.runtime.request import Request, apply_penalties, keep_logits, penalized
 from bpcompile.runtime.speculative import (AcceptanceCalibration, AcceptRule, BackOff, DraftTree, TreeSpec,
                                            make_builder, residual_rule, verify_greedy, verify_sampling)
 
@@ -100,6 +100,16 @@ class SpeculativeStep:
                                        [list(range(r.v_len, r.v_len + len(t))) for r, t in zip(reqs, trees)],
                                        [r.v_len for r in reqs], [len(t) for t in trees],
                                        [t.bits for t in trees] if any(len(t) > 1 for t in trees) else None)
+        for b, (r, tree) in enumerate(zip(reqs, trees)):
+            if penalized(r.params):  # each node's row sees the sequence up to that node: committed + its path
+                done = r.tokens
+                for i in range(len(tree)):
+                    path, n = [], i
+                    while n:
+                        path.append(tree.tokens[n])
+                        n = tree.parents[n]
+                    logits[b, i] = apply_penalties(logits[b, i], r.params, done + path[::-1],
+                                                   len(done) - len(r.prompt) + len(path))
         argmax = logits.argmax(-1).tolist() if any(r.sampling.greedy for r in reqs) else None
         results = []
         for b, (r, tree) in enumerate(zip(reqs, trees)):

@@ -230,8 +230,7 @@ def answer_each(pb_utils, requests, one, model: str) -> list:
 # them). The native runtime decodes one beam with tree speculation: each is honoured, ignored where it cannot
 # change a single-beam result, or refused per request, never an unknown-input error.
 OFF_VALUES = {  # refused unless one of these values (what the backend treats as "off")
-    "beam_width": (1,), "num_return_sequences": (1,), "min_tokens": (0, 1), "repetition_penalty": (1.0,),
-    "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "beam_width": (1,), "num_return_sequences": (1,),
 }
 ABSENT_ONLY = ("decoder_text_input", "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size",
                "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config",

@@ -216,6 +216,10 @@ class TritonPythonModel:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
                                 stop_words=stop, logprobs=scalar(get, "return_log_probs", False, bool),
+                                repetition_penalty=scalar(get, "repetition_penalty", 1.0, float),
+                                presence_penalty=scalar(get, "presence_penalty", 0.0, float),
+                                frequency_penalty=scalar(get, "frequency_penalty", 0.0, float),
+                                min_tokens=scalar(get, "min_tokens", 0, int),
                                 context_logits=scalar(get, "return_context_logits", False, bool),
                                 generation_logits=scalar(get, "return_generation_logits", False, bool))
         return _Job(prompt, params, stream=stream, text=text, exclude=exclude,
