@@ -116,21 +116,14 @@ def test_grpc_streaming_is_incremental_and_matches(server, reference, tokenizer)
         assert r["verifier_steps"] >= 1 and r["tokens_per_step"] >= 1.0 and r["total_draft_tokens"] > 0
 
 
-def backend_client_request(url, prompt, n, *, stream, exclude, **extra):
-    """A request shaped as tensorrtllm_backend's end_to_end_grpc_client shapes it (its prepare_inputs: [1, 1]
-    arrays, beam_width, exclude_input_in_output, num_return_sequences and pad_id/end_id as its flags send them; one
-    gRPC stream; only text_output requested), temperature 0 for a greedy reference. Returns the text as that client
-    assembles it (streamed pieces appended), or raises with the server's error."""
+def stream_request(url, model, inputs: dict, outputs=None, request_id="") -> list:
+    """One gRPC stream carrying one request of numpy `inputs` to `model`, as tensorrtllm_backend's clients send
+    it; the responses in arrival order, or RemoteError with the server's error."""
     import queue as q
 
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    inputs = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.ones([1, 1], np.int32) * n,
-              "stream": np.array([[stream]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
-              "temperature": np.array([[0.0]], dtype=np.float32), "num_return_sequences": np.array([[1]], np.int32),
-              "exclude_input_in_output": np.array([[exclude]], dtype=bool), "pad_id": np.array([[2]], np.int32),
-              **extra}
     tensors = []
     for k, v in inputs.items():
         t = grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype))
@@ -139,14 +132,31 @@ def backend_client_request(url, prompt, n, *, stream, exclude, **extra):
     done: q.Queue = q.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: done.put(error or result))
-    client.async_stream_infer("ensemble", tensors, outputs=[grpcclient.InferRequestedOutput("text_output")])
+    client.async_stream_infer(model, tensors, request_id=request_id,
+                              outputs=[grpcclient.InferRequestedOutput(o) for o in outputs] if outputs else None)
     client.stop_stream()  # waits for the server to end the stream
     client.close()
-    text = ""
+    out = []
     while not done.empty():
         r = done.get()
         if isinstance(r, Exception):
             raise RemoteError(str(r))
+        out.append(r)
+    return out
+
+
+def backend_client_request(url, prompt, n, *, stream, exclude, **extra):
+    """A request shaped as tensorrtllm_backend's end_to_end_grpc_client shapes it (its prepare_inputs: [1, 1]
+    arrays, beam_width, exclude_input_in_output, num_return_sequences and pad_id/end_id as its flags send them; one
+    gRPC stream; only text_output requested), temperature 0 for a greedy reference. Returns the text as that client
+    assembles it (streamed pieces appended), or raises with the server's error."""
+    inputs = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.ones([1, 1], np.int32) * n,
+              "stream": np.array([[stream]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
+              "temperature": np.array([[0.0]], dtype=np.float32), "num_return_sequences": np.array([[1]], np.int32),
+              "exclude_input_in_output": np.array([[exclude]], dtype=bool), "pad_id": np.array([[2]], np.int32),
+              **extra}
+    text = ""
+    for r in stream_request(url, "ensemble", inputs, outputs=["text_output"]):
         piece = r.as_numpy("text_output")
         if piece is not None:
             text = text + piece[0].decode() if stream else piece[0].decode()
@@ -176,35 +186,16 @@ def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
     tensorrt_llm, its prepare_inputs' ten default inputs as [1, N] / [1, 1] arrays (temperature 1.0 and top-k 1 as
     its flags default, end_id -1 = none, pad_id 50256), all outputs. Returns its callback's view: per response
     output_ids[0][0] and sequence_length[0][0]."""
-    import queue as q
-
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
     inputs = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
               "request_output_len": np.array([[n]], np.int32), "beam_width": np.array([[1]], np.int32),
               "temperature": np.array([[1.0]], np.float32), "streaming": np.array([[stream]], dtype=bool),
               "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[50256]], np.int32),
               "runtime_top_k": np.array([[1]], np.int32), "runtime_top_p": np.array([[0.0]], np.float32), **extra}
-    tensors = []
-    for k, v in inputs.items():
-        t = grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype))
-        t.set_data_from_numpy(v)
-        tensors.append(t)
-    done: q.Queue = q.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: done.put(error or result))
-    client.async_stream_infer("tensorrt_llm", tensors, request_id="1")
-    client.stop_stream()
-    client.close()
+    responses = stream_request(url, "tensorrt_llm", inputs, request_id="1")
+    if raw:
+        return responses
     out = []
-    while not done.empty():
-        r = done.get()
-        if isinstance(r, Exception):
-            raise RemoteError(str(r))
-        if raw:
-            out.append(r)
-            continue
+    for r in responses:
         ids_, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
         assert ids_.shape[:2] == (1, 1) and lens.shape == (1, 1) and r.as_numpy("batch_index")[0][0] == 0
         if "return_log_probs" in extra:
