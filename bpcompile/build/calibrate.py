@@ -290,22 +290,25 @@ def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, 
     return [([bos] if bos is not None else []) + w for w in wins]
 
 
+def recipe_samples(tokenizer_dir, calibration_cfg: dict, calibration_file=None) -> list[list[int]]:
+    """The recipe's calibration windows (`calibration: {samples, length}`): from its text file, else the builtin
+    corpus's train split."""
+    n, length = int(calibration_cfg.get("samples", 16)), int(calibration_cfg.get("length", 128))
+    if calibration_file:
+        return text_file_samples(tokenizer_dir, calibration_file, n, length)
+    from bpcompile.build.corpus import calibration_samples
+
+    return calibration_samples(tokenizer_dir, n, length)
+
+
 def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict, calibration_cfg: dict,
                            out_dir, calibration_file=None) -> dict:
     """Build stage: calibrate the converted verifier and write `out_dir` (= <version>/kv_plan/)."""
     cfg = KVCalibConfig.from_dict(kv_cache_cfg)
     cal = dict(calibration_cfg or {})
-    n, length = int(cal.get("samples", 16)), int(cal.get("length", 128))
+    length = int(cal.get("length", 128))
     verifier = Llama.from_checkpoint(verifier_ckpt_dir, dtype=None)  # the recipe's dtype
-    if cfg.format == "int4-fp8-outlier":
-        if calibration_file:
-            samples = text_file_samples(tokenizer_dir, calibration_file, n, length)
-        else:
-            from bpcompile.build.corpus import calibration_samples
-
-            samples = calibration_samples(tokenizer_dir, n, length)
-    else:
-        samples = []
+    samples = recipe_samples(tokenizer_dir, cal, calibration_file) if cfg.format == "int4-fp8-outlier" else []
     plan, report = calibrate(verifier, samples, cfg)
     plan.calibration["samples"] = {"n": len(samples), "length": length,
                                    "source": str(calibration_file) if calibration_file else cal.get("source")}

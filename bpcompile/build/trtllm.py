@@ -98,7 +98,7 @@ KV_QMAX = {"fp8": 448.0, "int8": 127.0}  # the largest magnitude of each format 
 SCALE_NAME = "transformer.layers.{}.attention.kv_cache_scaling_factor"  # [1] float32 per layer
 
 
-def kv_cache_scales(verifier, samples: list[list[int]], fmt: str) -> "torch.Tensor":
+def kv_cache_scales(verifier, samples: list[list[int]], fmt: str):
     """[num_layers] float32: per layer, the largest |K| or |V| over the calibration samples (keys after RoPE, as
     the cache stores them) divided by the format's largest value. TensorRT-LLM's attention stores x / s and reads
     back code * s, one scale per layer for K and V together (what its own checkpoint converters write)."""
@@ -150,16 +150,10 @@ def write_kv_cache_scales(ckpt_dir: Path, scales, fmt: str) -> dict:
 
 def kv_scales_stage(ckpt_dir: Path, tokenizer_dir: Path, fmt: str, calibration: dict, calibration_file=None) -> dict:
     """Build stage (target tensorrt-llm, kv_cache.format fp8 or int8): calibrate and write the scales."""
-    from bpcompile.build.calibrate import text_file_samples
+    from bpcompile.build.calibrate import recipe_samples
     from bpcompile.runtime.model import Llama
 
-    n, length = int(calibration.get("samples", 16)), int(calibration.get("length", 128))
-    if calibration_file:
-        samples = text_file_samples(tokenizer_dir, calibration_file, n, length)
-    else:
-        from bpcompile.build.corpus import calibration_samples
-
-        samples = calibration_samples(tokenizer_dir, n, length)
+    samples = recipe_samples(tokenizer_dir, calibration, calibration_file)
     scales = kv_cache_scales(Llama.from_checkpoint(ckpt_dir, dtype=None), samples, fmt)
     out = write_kv_cache_scales(ckpt_dir, scales, fmt)
     return {"detail": f"kv_cache_quant_algo {out['kv_cache_quant_algo']}, {len(scales)} per-layer scales "

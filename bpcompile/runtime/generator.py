@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -301,9 +301,9 @@ class Generator:
             last = full[torch.arange(len(reqs)), torch.tensor([len(r.prompt) - 1 for r in reqs])]
         else:
             last = self.v_exec.prefill(reqs, True)
-        last = [apply_penalties(last[b], r.params, r.prompt, 0) if penalized(r.params) else last[b]
-                for b, r in enumerate(reqs)]
-        last = torch.stack(last)
+        if any(penalized(r.params) for r in reqs):
+            last = torch.stack([apply_penalties(last[b], r.params, r.prompt, 0) if penalized(r.params) else last[b]
+                                for b, r in enumerate(reqs)])
         first = [self._pick(r, last[b]) for b, r in enumerate(reqs)]
         for b, (r, t) in enumerate(zip(reqs, first)):
             keep_logits(r, last[b:b + 1], [t])

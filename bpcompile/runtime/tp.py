@@ -18,7 +18,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -37,14 +36,9 @@ CONNECT_TIMEOUT = timedelta(seconds=300)  # workers import torch and load their 
 OP_TIMEOUT = timedelta(days=30)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def connect(port: int, rank: int, world: int):
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=CONNECT_TIMEOUT)
+    """A worker rank joins rank 0's store on the loopback port."""
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=CONNECT_TIMEOUT)
     return dist.ProcessGroupGloo(store, rank, world, OP_TIMEOUT)
 
 
@@ -102,7 +96,9 @@ class Peers:
 def launch(engine_dir: Path, tp: int, spec: dict) -> tuple[object, list[subprocess.Popen]]:
     """Start ranks 1..tp-1 as worker processes for engine_dir and join them as rank 0 -> (group, processes).
     spec: what every rank builds its engine with (Generator.from_engine keywords that are plain data)."""
-    port = free_port()
+    # rank 0's store binds a free port itself (port 0): no window in which another process could take it
+    store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+    port = store.port
     threads = max(1, (os.cpu_count() or 1) // tp)
     procs = []
     for rank in range(1, tp):
@@ -114,7 +110,7 @@ def launch(engine_dir: Path, tp: int, spec: dict) -> tuple[object, list[subproce
 
     def join():
         try:
-            box["group"] = connect(port, 0, tp)
+            box["group"] = dist.ProcessGroupGloo(store, 0, tp, OP_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - reported below
             box["error"] = e
 
