@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
-from bpcompile.build.calibrate import KVCalibConfig, calibrate, calibrate_engine_stage, n_outlier_units
+from bpcompile.build.calibrate import (KVCalibConfig, calibrate, calibrate_engine_stage, kv_loss_grad_sq,
+                                      n_outlier_units)
 from bpcompile.build.convert import convert_checkpoint
 from bpcompile.core.errors import UserError
 from bpcompile.eval.evaluate import (cached_forward, evaluate, evaluate_engine,
                                 evaluate_engine_report, inject_key_outliers)
-from bpcompile.runtime.kvcache import KVPlan
-from bpcompile.runtime.model import Llama
+from bpcompile.runtime.kvcache import KVPlan, fake_quantize
+from bpcompile.runtime.model import Llama, causal_attend
 from conftest import make_hf_llama
 
 VOCAB = 300
@@ -60,13 +61,70 @@ def test_calibration_is_deterministic_and_picks_the_worst_units(model, tmp_path)
     units = [u for layer in report["layers"] for u in layer["units"]]
     assert len(units) == 12 and report["fp8_units"] == 3
     fp8 = [u for u in units if u["precision"] == "fp8"]
-    worst_int4 = min(u["int4_error"] for u in fp8)
-    assert len(fp8) == 3 and all(u["int4_error"] <= worst_int4 for u in units if u["precision"] == "int4")
+    worst_int4 = min(u["fisher_error"] for u in fp8)  # the units whose INT4 error moves the loss most
+    assert len(fp8) == 3 and all(u["fisher_error"] <= worst_int4 for u in units if u["precision"] == "int4")
+    assert report["outlier_selection"] == "fisher_error"
     assert report["rotation"] == "hadamard" and all(u["outlier_error"] < u["int4_error"] for u in units)
     assert [p[t][h] for p in plan.precision for t in "kv" for h in range(2)] == [u["precision"] for u in units]
     # another sample set is another measurement: the error table must change with the input
     other, _ = calibrate(model, samples(4, 32, 1), CFG)
     assert other.calibration["layers"] != plan.calibration["layers"]
+
+
+def _loss(model, tok, attend) -> float:
+    """Summed next-token NLL of tok [B, T] (inference forward, float64)."""
+    logp = torch.log_softmax(model.forward(tok, attend=attend).double(), -1)
+    return -logp[:, :-1].gather(-1, tok[:, 1:, None]).sum().item()
+
+
+def test_loss_gradient_of_kv_matches_finite_differences(ckpt):
+    """The Fisher pass's gradients (autograd through the layers walked by hand) against central differences
+    of the plain inference forward with one K or V element moved."""
+    m64 = Llama.from_checkpoint(ckpt / "ckpt", dtype=torch.float64)
+    s = samples(2, 12, 5)
+    g2 = kv_loss_grad_sq(m64, s, batch=2)
+    tok = torch.tensor(s)
+    for layer, kv in ((0, 1), (1, 0), (2, 0)):
+        g = g2[layer][kv]
+        b, t, h, d = (int(i) for i in torch.nonzero(g == g.max())[0])
+        eps = 1e-2  # the forward returns float32 logits: a smaller step drowns in their rounding
+
+        def moved(delta):
+            def attend(i, q, k, v):
+                if i == layer:
+                    x = (k if kv == 0 else v).clone()
+                    x[b, t, h, d] += delta
+                    k, v = (x, v) if kv == 0 else (k, x)
+                return causal_attend(q, k, v)
+            return _loss(m64, tok, attend)
+
+        fd = (moved(eps) - moved(-eps)) / (2 * eps)
+        assert fd ** 2 == pytest.approx(g.max().item(), rel=1e-3)
+
+
+def test_fisher_error_ranks_units_by_their_effect_on_the_loss(model):
+    """The unit the plan ranks most loss-sensitive, quantized alone to INT4, raises the loss more than the unit it
+    ranks least sensitive (measured with the plain forward and the oracle's fake quantization, not the estimate)."""
+    s = samples(4, 32, 0)
+    plan, report = calibrate(model, s, {**CFG, "outlier_fraction": 0.0})
+    units = sorted((u for layer in report["layers"] for u in layer["units"]), key=lambda u: u["fisher_error"])
+    tok = torch.tensor(s)
+    base = _loss(model, tok, None)
+
+    def quantized_alone(u):
+        def attend(i, q, k, v):
+            if i == u["layer"]:
+                x = (k if u["kind"] == "k" else v).clone()
+                h, kv = u["head"], int(u["kind"] == "v")  # the unit's own INT4 settings from the plan
+                x[:, :, h] = fake_quantize(x[:, :, h], "int4", plan.effective_group_size,
+                                           None if kv else plan.k_channel_scale[i, h], float(plan.int4_clip[i, kv, h]),
+                                           None if kv else plan.k_mean[i, h], plan.rotation == "hadamard")
+                k, v = (x, v) if u["kind"] == "k" else (k, x)
+            return causal_attend(q, k, v)
+        return abs(_loss(model, tok, attend) - base)
+
+    assert quantized_alone(units[-1]) > 3 * quantized_alone(units[0])
+    assert units[0]["fisher_error"] > 0
 
 
 def test_quantized_cache_forward_and_eval(model):
