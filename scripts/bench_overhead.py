@@ -69,6 +69,15 @@ def run(gen: Generator, timers: list[Timed], prompts: list[list[int]], n: int) -
             "overhead_share": sum(w - f for w, f in decode) / sum(w for w, _ in decode)}
 
 
+def default_kv_cache() -> dict:
+    """recipes/smollm2.yaml's kv_cache section as the native target resolves it (the default plan)."""
+    import yaml
+    from bpcompile.core.engine import EngineConfig
+
+    kv = yaml.safe_load((REPO / "recipes" / "smollm2.yaml").read_text())["kv_cache"]
+    return EngineConfig.model_validate({"name": "bench", "kv_cache": kv}).kv_cache.model_dump()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--verifier", default=str(REPO / "models/smollm2/verifier"))
@@ -96,7 +105,7 @@ def main() -> None:
     rows = {"fp16": ("verifier only, FP16 KV", None, TreeSpec("none"), lambda: fp16),
             "plan": ("verifier only, default KV plan", None, TreeSpec("none"),
                      lambda: kv_store_factory(calibrate(v, corpus.calibration_samples(tok, 16, 128),
-                                                        {"format": "int4-fp8-outlier"})[0])),
+                                                        default_kv_cache())[0])),
             "dyn5": ("dynamic tree 5, shipped draft, FP16 KV, no back-off", d, TreeSpec("dynamic", nodes=5),
                      lambda: fp16)}
     print(f"# Runtime overhead per step, SmolLM2-135M-Instruct, batch {a.batch} x {a.max_tokens} tokens\n\n"

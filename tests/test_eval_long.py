@@ -150,3 +150,22 @@ def test_engine_tokenizer_keeps_the_chat_template(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"
+
+
+def test_exact_entries_in_the_teacher_forced_eval(verifier):
+    """cached_forward with exact entries: a window (or a sink) covering every position reads FP16 K/V everywhere, so
+    it equals the FP16 cache; a sink of 1 and a window of 8 lie in between, closer to FP16 than the plain plan."""
+    from dataclasses import replace
+
+    from bpcompile.eval.evaluate import cached_forward
+
+    c = verifier.cfg
+    tok = torch.randint(5, 4000, (2, 48), generator=torch.Generator().manual_seed(1))
+    base = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
+    fp16 = cached_forward(verifier, tok, KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size))
+    quant = cached_forward(verifier, tok, base)
+    torch.testing.assert_close(cached_forward(verifier, tok, replace(base, recent_window=48)), fp16, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cached_forward(verifier, tok, replace(base, sink_tokens=48)), fp16, atol=1e-4, rtol=0)
+    mid = cached_forward(verifier, tok, replace(base, sink_tokens=1, recent_window=8))
+    assert (mid - fp16).abs().max() > 1e-2 and (mid - quant).abs().max() > 1e-2
+    assert (mid - fp16).abs().mean() < (quant - fp16).abs().mean()

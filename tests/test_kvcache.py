@@ -206,3 +206,30 @@ def test_bad_plans_are_user_errors(tmp_path):
         KVPlan.load(tmp_path)
     with pytest.raises(UserError, match="KV heads"):
         make_kv_store(KVPlan.uniform("fp8", 4, 1, 64), TINY, 2, 16)
+
+
+def test_exact_entries_are_saved_validated_and_counted(tmp_path):
+    """sink_tokens / recent_window round-trip through plan.json; the compression of a plan with exact entries exists
+    only for a sequence length, and counts exactly the FP16 copies the runtime allocates (RecentKV)."""
+    from dataclasses import replace
+
+    from bpcompile.runtime.paged_kv import RecentKV
+
+    plan = replace(mixed_plan(), sink_tokens=1, recent_window=16)
+    plan.save(tmp_path / "a")
+    back = KVPlan.load(tmp_path / "a")
+    assert (back.sink_tokens, back.recent_window) == (1, 16) and back.has_exact
+    with pytest.raises(ValueError, match="sequence length"):
+        back.compression_vs_fp16()
+    store = kv_store_factory(back)(TINY, 2, 16, "cpu")
+    assert RecentKV(store, 3, 1, 16, 6, "cpu").nbytes() == 3 * back.exact_bytes_per_sequence(6)
+    fp16 = TINY.num_layers * TINY.num_kv_heads * 2 * 2 * TINY.head_size
+    n = 512 + 6
+    want = fp16 * n / (back.bytes_per_token() * n + 2 * 2 * 64 * 23 * TINY.num_layers * TINY.num_kv_heads)
+    assert back.compression_vs_fp16(512, 6) == pytest.approx(want)
+    assert mixed_plan().compression_vs_fp16(512, 6) == mixed_plan().compression_vs_fp16()  # no copies: no change
+    for bad in (-1, 1.5, True):
+        with pytest.raises(UserError, match="recent_window"):
+            replace(mixed_plan(), recent_window=bad)
+    with pytest.raises(UserError, match="exact already"):
+        replace(KVPlan.uniform("fp16", 1, 1, 64), sink_tokens=1)

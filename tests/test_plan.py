@@ -56,6 +56,17 @@ def test_70b_recipe_at_tp8_on_h200():
         4.8e12 / (2 * verifier + 16384 * 11376))
 
 
+def test_exact_entries_add_their_copies_per_sequence():
+    """With an FP16 sink and window each sequence holds sink + window + one tree of FP16 K/V per unit: on the 70B
+    recipe at tp 8, 80 layers x 1 KV head x K|V x 128 x 2 bytes x (1 + 16 + 6) per sequence, 64 sequences."""
+    base = _recipe_70b()
+    models = {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}}
+    exact = {**base, "models": models, "kv_cache": {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16}}
+    p0 = plan(Recipe.model_validate({**base, "models": models}), _spec(L70), _spec(L1B), DEVICES["h200"])
+    p1 = plan(Recipe.model_validate(exact), _spec(L70), _spec(L1B), DEVICES["h200"])
+    assert p1["kv_bytes"] - p0["kv_bytes"] == 64 * 80 * 1 * 2 * 128 * 2 * (1 + 16 + 6)
+
+
 def test_small_config_by_hand():
     small = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 4096, "head_dim": 64, "dtype": "float32",

@@ -35,6 +35,23 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
     assert code == 0, out
 
 
+@pytest.mark.parametrize("target,executor,fmt,want", [
+    ("native", "torch", "int4-fp8-outlier", (1, 16, 0.02)),  # the default: exact sink and window, 2% FP8 units
+    ("native", "onnxruntime", "int4-fp8-outlier", (0, 0, 0.08)),  # the graphs do not read exact entries
+    ("tensorrt", "torch", "int4-fp8-outlier", (0, 0, 0.08)),  # nor does the TensorRT plugin
+    ("native", "torch", "int8", (0, 0, 0.08)),  # auto turns them on for the INT4 format only
+    ("native", "torch", "fp16", (0, 0, 0.08)),
+])
+def test_kv_cache_autos_resolve_per_target(target, executor, fmt, want):
+    from bpcompile.core.engine import EngineConfig
+
+    e = EngineConfig.model_validate({"name": "t", "target": target, "runtime": {"executor": executor},
+                                     "kv_cache": {"format": fmt}})
+    kv = e.kv_cache
+    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction) == want
+    assert EngineConfig.model_validate_json(e.model_dump_json()).kv_cache == kv  # engine.json keeps them resolved
+
+
 def test_shipped_recipes_parse():
     for name in ("tiny.yaml", "70b.yaml", "smollm2.yaml"):
         r, _ = parse_recipe(REPO / "recipes" / name)
@@ -49,6 +66,8 @@ def test_shipped_recipes_parse():
     ("speculative: {tree: static, choices: [[0], [1, 0]]}\n", "speculative", "speculative", "no parent"),
     ("parallel: {tp: 3, pp: 1}\n", "parallel.tp", "parallel", "does not divide"),
     ("target: onnx\n", "target", "target", "native"),
+    ("kv_cache: {format: int8, recent_window: 8}\nruntime: {executor: onnxruntime}\n", "kv_cache.recent_window",
+     "kv_cache", "torch executor only"),
 ])
 def test_bad_values_exit_2_naming_key_and_line(tmp_path, pair, extra, key, line_of, expect):
     text = write_recipe(tmp_path / "r.yaml", *pair).read_text()

@@ -183,6 +183,63 @@ def test_dense_view_of_a_quantized_cache_is_what_the_store_holds(pair):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("sink,window", [(1, 3), (2, 5)])
+def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
+    """A plan with exact entries (an FP16 sink and recent window beside INT4 codes): the runtime's logits, verifier-only
+    and through dynamic trees (ring writes, tree masks, moves of accepted entries, prompts longer than the ring), equal
+    those of eval's decode_logits, which builds its masks from positions alone; and the window changes them (the
+    same oracle without it is far off), so the test sees whether exact entries are read at all."""
+    from dataclasses import replace
+
+    from bpcompile.eval.evaluate import _prefix_kv, decode_logits
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+
+    v, d = pair
+    c = v.cfg
+    base = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
+    plan = replace(base, sink_tokens=sink, recent_window=window)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    for tree in (None, TREES["dynamic"]):
+        gen = Generator(v, d if tree else None, tree, max_batch_size=3, page_size=4, backoff=False,
+                        kv_store_factory=kv_store_factory(plan))
+        assert gen.vkv.recent is not None and gen.vkv.nbytes() == gen.vkv.store.nbytes() + gen.vkv.recent.nbytes()
+        params = SamplingParams(max_tokens=12, generation_logits=True)
+        ids = {gen.add_request(p, params): p for p in prompts}
+        toks, rows = {r: [] for r in ids}, {r: [] for r in ids}
+        while gen.has_work():
+            for o in gen.step():
+                toks[o.request_id] += o.new_tokens
+                if o.new_tokens:
+                    rows[o.request_id].append(o.generation_logits)
+        for rid, prompt in ids.items():
+            got = torch.cat(rows[rid])[1:]  # row 0 comes from the prefill, which attends unquantized K/V
+            kv = _prefix_kv(v, prompt)
+            assert torch.allclose(got, decode_logits(v, kv, toks[rid][:-1], plan), atol=1e-3)
+            assert (got - decode_logits(v, kv, toks[rid][:-1], base)).abs().max() > 0.1
+
+
+def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
+    """The Triton kernels do not read exact entries: with them forced on, the store gets the PyTorch path (warned
+    once, on stderr); the onnxruntime executor's graphs do not either: a Generator refuses the plan."""
+    from dataclasses import replace
+
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+    from bpcompile.runtime.paged_kv import _warn_once, kernels_for
+
+    _warn_once.cache_clear()  # once per process: this test must see it
+    c = pair[0].cfg
+    plan = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=4)
+    store = kv_store_factory(plan)(c, 4, 4, "cpu")
+    monkeypatch.setenv("BPCOMPILE_KERNELS", "triton")
+    assert kernels_for(store, torch.device("cpu")) is None
+    assert "do not read exact" in capsys.readouterr().err
+    gen = Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan), dense_kv=False)
+    assert gen.vkv.dense is not None and gen.vkv.kern is None  # exact entries need the dense path
+    with pytest.raises(UserError, match="onnxruntime executor"):
+        Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
+                  executor="onnxruntime", graphs="/nonexistent")
+
+
 # -------------------------------------------------------------------------------- batching & lifetime
 
 def test_inflight_batching_pages_and_cancel(pair):

@@ -55,6 +55,9 @@ class KVCalibConfig:
     rotation: str = "auto"  # "auto" (hadamard where the head size is a power of two) | "hadamard" | "none"
     key_centering: bool = True  # subtract the keys' static per-channel mean (with rotation only)
     outlier_precision: str = "fp8"  # "fp8" | "int8": what the most sensitive units are stored in
+    # exact entries (KVPlan.sink_tokens / recent_window), carried into the plan; the recipe resolves its autos
+    sink_tokens: int = 0
+    recent_window: int = 0
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "KVCalibConfig":
@@ -62,6 +65,11 @@ class KVCalibConfig:
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         cfg = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
+        for k in ("sink_tokens", "recent_window"):
+            if getattr(cfg, k) == "auto":  # outside a recipe (which resolves them per target): none
+                setattr(cfg, k, 0)
+        if cfg.outlier_fraction == "auto":
+            cfg.outlier_fraction = 0.02 if (cfg.sink_tokens or cfg.recent_window) else 0.08
         if cfg.format not in RECIPE_FORMATS:
             raise UserError(f"unknown format {cfg.format!r}; expected one of {sorted(RECIPE_FORMATS)}",
                             key="kv_cache.format")
@@ -256,7 +264,8 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
             "k_mean": k_mean, "outlier_precision": cfg.outlier}
 
 
-def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-fp8-outlier"):
+def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-fp8-outlier", sink_tokens: int = 0,
+                          recent_window: int = 0, seq_len: int = 2048, lookahead: int = 6):
     """KVPlan + per-layer report for one outlier fraction from `measure_units` output."""
     c = model_cfg
     units = m["units"]
@@ -281,11 +290,14 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
         layers[r["layer"]]["units"].append({**r, "precision": p})
     plan = KVPlan(fmt, c.num_layers, c.num_kv_heads, c.head_size, m["group_size"], prec,
                   k_channel_scale=kcs, int4_clip=clip, outlier_fraction=fraction, rotation=rotation,
+                  sink_tokens=sink_tokens, recent_window=recent_window,
                   k_mean=m.get("k_mean"))
     report = {"format": fmt, "outlier_fraction": fraction, "units": len(units), "fp8_units": n_fp8,
               "outlier_precision": outlier, "rotation": rotation, "key_centering": m.get("k_mean") is not None,
               "group_size": plan.effective_group_size, "bytes_per_token": plan.bytes_per_token(),
-              "compression_vs_fp16": round(plan.compression_vs_fp16(), 4),
+              "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4),
+              "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead},
+              "sink_tokens": sink_tokens, "recent_window": recent_window,
               "error_metric": "relative error of the layer's attention output (after o_proj), only that unit quantized",
               "outlier_selection": key,
               "layers": layers}
@@ -300,17 +312,22 @@ def _compact(layers: list) -> list:
         for u in l["units"]]} for l in layers]
 
 
-def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None) -> tuple[KVPlan, dict]:
-    """(KVPlan, report) for the verifier. kv_config: KVCalibConfig or the recipe's kv_cache dict."""
+def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len: int = 2048,
+              lookahead: int = 6) -> tuple[KVPlan, dict]:
+    """(KVPlan, report) for the verifier. kv_config: KVCalibConfig or the recipe's kv_cache dict. seq_len,
+    lookahead: what the reported compression is for (a plan with exact entries spreads them over a sequence)."""
     cfg = kv_config if isinstance(kv_config, KVCalibConfig) else KVCalibConfig.from_dict(kv_config)
     c = verifier.cfg
     if cfg.format != "int4-fp8-outlier":
         plan = KVPlan.uniform(cfg.format, c.num_layers, c.num_kv_heads, c.head_size, cfg.group_size)
+        if cfg.format != "fp16":
+            plan.sink_tokens, plan.recent_window = cfg.sink_tokens, cfg.recent_window
         report = {"format": cfg.format, "units": c.num_layers * c.num_kv_heads * 2,
-                  "compression_vs_fp16": round(plan.compression_vs_fp16(), 4), "layers": []}
+                  "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4), "layers": []}
         plan.calibration = report
         return plan, report
-    return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction)
+    return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
+                                 recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead)
 
 
 def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, length: int) -> list[list[int]]:
@@ -344,14 +361,15 @@ def recipe_samples(tokenizer_dir, calibration_cfg: dict, calibration_file=None) 
 
 
 def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict, calibration_cfg: dict,
-                           out_dir, calibration_file=None) -> dict:
-    """Build stage: calibrate the converted verifier and write `out_dir` (= <version>/kv_plan/)."""
+                           out_dir, calibration_file=None, seq_len: int = 2048, lookahead: int = 6) -> dict:
+    """Build stage: calibrate the converted verifier and write `out_dir` (= <version>/kv_plan/). seq_len,
+    lookahead: the recipe's max_seq_len and largest tree (the reported compression's allocation)."""
     cfg = KVCalibConfig.from_dict(kv_cache_cfg)
     cal = dict(calibration_cfg or {})
     length = int(cal.get("length", 128))
     verifier = Llama.from_checkpoint(verifier_ckpt_dir, dtype=None)  # the recipe's dtype
     samples = recipe_samples(tokenizer_dir, cal, calibration_file) if cfg.format == "int4-fp8-outlier" else []
-    plan, report = calibrate(verifier, samples, cfg)
+    plan, report = calibrate(verifier, samples, cfg, seq_len, lookahead)
     plan.calibration["samples"] = {"n": len(samples), "length": length,
                                    "source": str(calibration_file) if calibration_file else cal.get("source")}
     plan.save(out_dir)
@@ -360,7 +378,9 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     rss = peak_rss_bytes()
     return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
                       f"{report.get('outlier_precision', 'fp8').upper()}{', rotated' if report.get('rotation') == 'hadamard' else ''} "
-                      f"{' '.join(fp8)}, {report['compression_vs_fp16']:.2f}x vs FP16"
+                      f"{' '.join(fp8)}"
+                      + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
+                      + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")
                       + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
             "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8, "peak_rss_bytes": rss}
 

@@ -257,10 +257,12 @@ def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
         rep.skip("calibrate", "kv_cache.format is fp16: nothing to calibrate")
         return
     from bpcompile.build.calibrate import calibrate_engine_stage
+    from bpcompile.build.plan import tree_tokens
 
     rep.run("calibrate", lambda: calibrate_engine_stage(
         stage / "verifier", stage / "tokenizer", kv.model_dump(), loaded.recipe.calibration.model_dump(),
-        stage / "kv_plan", calibration_file=loaded.calibration_file))
+        stage / "kv_plan", calibration_file=loaded.calibration_file, seq_len=loaded.recipe.limits.max_seq_len,
+        lookahead=tree_tokens(loaded.recipe)))
     if loaded.recipe.target == "tensorrt-llm" and kv.format in ("fp8", "int8"):
         from bpcompile.build.trtllm import kv_scales_stage  # TensorRT-LLM's per-layer scales (no TensorRT needed)
 

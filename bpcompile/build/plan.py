@@ -74,6 +74,16 @@ def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dt
     return share * units * width[fmt]
 
 
+def exact_bytes_per_sequence(cfg: dict, recipe, tp: int) -> int:
+    """The verifier's exact (FP16) copies per sequence on one rank: sink_tokens + recent_window + one tree of
+    entries of every unit (runtime.paged_kv.RecentKV)."""
+    kv = recipe.kv_cache
+    if not (kv.sink_tokens or kv.recent_window):
+        return 0
+    return cfg["num_hidden_layers"] * kv_heads_per_rank(cfg, tp) * 2 * 2 * cfg["head_dim"] * (
+        kv.sink_tokens + kv.recent_window + tree_tokens(recipe))
+
+
 def weight_params_per_rank(cfg: dict, tp: int) -> int:
     """Parameters one tensor-parallel rank holds (pp = 1), as the converter splits them."""
     h, L, I, V, D = (cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
@@ -94,7 +104,8 @@ def kv_pool_bytes(recipe, verifier: dict, draft: Optional[dict]) -> int:
     per_token = kv_bytes_per_token(verifier, recipe, 1, recipe.kv_cache.format)
     if draft is not None and recipe.speculative.tree != "none":
         per_token += kv_bytes_per_token(draft, recipe, 1, None, 4)
-    return int(cache_tokens(recipe) * per_token)
+    exact = recipe.limits.max_batch_size * exact_bytes_per_sequence(verifier, recipe, 1)
+    return int(cache_tokens(recipe) * per_token) + exact
 
 
 def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Optional[int] = None) -> dict:
@@ -113,7 +124,8 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
     weights = weight_params_per_rank(verifier, tp) * vb + (weight_params_per_rank(draft, tp) * db if speculating else 0)
     kv_token = kv_bytes_per_token(verifier, recipe, tp, recipe.kv_cache.format)
     draft_token = kv_bytes_per_token(draft, recipe, tp, None, db) if speculating else 0.0
-    kv = tokens * (kv_token + draft_token)
+    exact = exact_bytes_per_sequence(verifier, recipe, tp)
+    kv = tokens * (kv_token + draft_token) + lim.max_batch_size * exact
     # the largest forward: prefill of a full batch of max_input_len prompts (hidden states, q/k/v, the two MLP
     # inputs of this rank) in the compute dtype, plus a step's logits in fp32
     h, I = verifier["hidden_size"], verifier["intermediate_size"]
@@ -124,7 +136,7 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
     total = weights + kv + activations
     usable = device.memory * USABLE
     per_seq = pages_per_sequence(lim.max_seq_len, tree_tokens(recipe), recipe.kv_cache.page_size) \
-        * recipe.kv_cache.page_size * (kv_token + draft_token)
+        * recipe.kv_cache.page_size * (kv_token + draft_token) + exact
     room = usable - weights - activations
     fits_seqs = max(0, int(room // per_seq)) if per_seq else 0
 

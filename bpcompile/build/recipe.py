@@ -209,6 +209,12 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         line = _line_for(lines, loc)
         problems.append((line, f"{path}:{line}: {_key(loc)}: {msg}"))
 
+    kvc = recipe.kv_cache
+    if (kvc.sink_tokens or kvc.recent_window) and not recipe.exact_entries_readable:
+        key = "recent_window" if kvc.recent_window else "sink_tokens"
+        problem(("kv_cache", key), "exact FP16 entries (sink_tokens, recent_window) are read by the native target's "
+                "torch executor only, on a quantized format (not by the ONNX graphs, the TensorRT plugin or "
+                "TensorRT-LLM); set them to 0 or leave them auto")
     if recipe.target == "tensorrt-llm":  # what TensorRT-LLM 1.2's executor can hold, refused before any work
         kv = recipe.kv_cache.format
         if kv == "int4-fp8-outlier":

@@ -6,7 +6,7 @@ emitter and the Triton models read it back with `EngineConfig.load`, never the Y
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -42,7 +42,14 @@ class Limits(_Strict):
 
 class KVCache(_Strict):
     format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
-    outlier_fraction: float = Field(0.08, ge=0.0, le=1.0, description="share of (layer, head, K|V) units kept in FP8")
+    outlier_fraction: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
+        "auto", description="share of (layer, head, K|V) units kept in FP8; auto: 0.02 with exact entries, else 0.08")
+    sink_tokens: Union[Annotated[int, Field(ge=0, le=1024)], Literal["auto"]] = Field(
+        "auto", description="first positions of a sequence whose K/V are also kept in FP16 and read exact; "
+                            "auto: 1 for int4-fp8-outlier on the native target with the torch executor, else 0")
+    recent_window: Union[Annotated[int, Field(ge=0, le=4096)], Literal["auto"]] = Field(
+        "auto", description="a query reads the K/V of the newest positions up to its own (this many, itself "
+                            "included) from an FP16 copy; auto: 16 where sink_tokens' auto is 1, else 0")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
     rotation: Literal["auto", "hadamard", "none"] = Field(
@@ -117,6 +124,27 @@ class EngineConfig(_Strict):
     speculative: Speculative = Speculative()
     triton: Triton = Triton()
     runtime: Runtime = Runtime()
+
+    @property
+    def exact_entries_readable(self) -> bool:
+        """Whether this engine's runtime reads a plan's exact (FP16 sink / window) entries."""
+        return self.target == "native" and not self.runtime.wants_onnx and self.kv_cache.format != "fp16"
+
+    @model_validator(mode="after")
+    def _resolve_kv(self):
+        """Fill in the KV cache's auto settings for this target (engine.json stores the resolved values). Exact
+        entries are read by the torch executor only: the Triton kernels, the ONNX graphs and the TensorRT plugin
+        do not read them (docs/KV_FORMAT.md §4); load_recipe refuses them where they would not be read."""
+        kv = self.kv_cache
+        exact_ok = self.exact_entries_readable
+        auto = exact_ok and kv.format == "int4-fp8-outlier"
+        if kv.sink_tokens == "auto":
+            kv.sink_tokens = 1 if auto else 0
+        if kv.recent_window == "auto":
+            kv.recent_window = 16 if auto else 0
+        if kv.outlier_fraction == "auto":
+            kv.outlier_fraction = 0.02 if (kv.sink_tokens or kv.recent_window) else 0.08
+        return self
 
     @classmethod
     def from_sections(cls, sections: dict) -> "EngineConfig":

@@ -17,6 +17,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -27,17 +28,25 @@ from bpcompile.core.errors import UserError
 from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement
 from bpcompile.runtime.kvcache import FloatKVStore, KVPlan, make_kv_store
 from bpcompile.runtime.model import Llama, causal_attend
+from bpcompile.runtime.paged_kv import RecentKV, cache_pages, dense_attention, exact_reads
 
 PAGE = 16
 STANDARD_FRACTIONS = (0.0, 0.04, 0.08, 0.16)
 UNROTATED = "unrotated int4+fp8 8%"  # the plan without the Hadamard rotation (rotation: none)
 
 
-def allocated_compression(plan: KVPlan, model_cfg, num_pages: int = 256, page_size: int = PAGE) -> float:
-    """FP16 cache bytes / this plan's cache bytes, both from the stores' nbytes() (scales included)."""
+def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahead: int = 6,
+                          page_size: int = PAGE) -> float:
+    """FP16 cache bytes / this plan's, both as the runtime allocates them for one sequence of seq_len tokens with
+    lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact copies)."""
     c = model_cfg
-    fp16 = FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, num_pages, page_size, dtype=torch.float16)
-    return fp16.nbytes() / make_kv_store(plan, c, num_pages, page_size).nbytes()
+    pages = cache_pages(1, seq_len, lookahead, page_size)
+    fp16 = FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, pages, page_size, dtype=torch.float16)
+    store = make_kv_store(plan, c, pages, page_size)
+    ours = store.nbytes()
+    if plan.has_exact:
+        ours += RecentKV(store, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
+    return fp16.nbytes() / ours
 
 
 def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_err: Optional[list] = None):
@@ -50,10 +59,15 @@ def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_er
     store = make_kv_store(plan, c, math.ceil(B * T / PAGE), PAGE, verifier.device)
     slots = torch.arange(B * T, device=tokens.device)
 
+    t = torch.arange(T, device=tokens.device)
+
     def attend(layer, q, k, v):
         store.write(layer, slots, k.reshape(B * T, c.num_kv_heads, -1), v.reshape(B * T, c.num_kv_heads, -1))
         kh, vh = (x.reshape(k.shape).to(q.dtype) for x in store.read(layer, slots))
-        o = causal_attend(q, kh, vh)
+        if plan.has_exact:
+            o = attend_exact(q, kh, vh, k, v, plan, t, t, t[None, :] <= t[:, None])
+        else:
+            o = causal_attend(q, kh, vh)
         if layer_err is not None:
             ref = causal_attend(q, k.half().to(q.dtype), v.half().to(q.dtype))
             layer_err[layer][0] += (o - ref).double().pow(2).sum().item()
@@ -63,13 +77,25 @@ def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_er
     return verifier.forward(tokens, attend=attend)
 
 
+def attend_exact(q, kh, vh, k, v, plan: KVPlan, q_pos, k_pos, visible) -> torch.Tensor:
+    """Attention of q [B, T, H, D] that reads the plan's exact entries as the runtime does (RecentKV): the FP16
+    copy of k, v where exact_reads says so, the stored kh, vh elsewhere (all [B, N, KV, D]); visible [T, N]."""
+    ex = exact_reads(q_pos, k_pos, plan.sink_tokens, plan.recent_window) & visible
+    rep = q.shape[2] // k.shape[2]
+    hide = lambda m: ~m.repeat_interleave(rep, dim=0)[None, None]  # noqa: E731  [1, 1, T * rep, N]
+    ke, ve = (x.half().to(q.dtype).transpose(1, 2) for x in (k, v))
+    return dense_attention(q, kh.transpose(1, 2), vh.transpose(1, 2), hide(visible & ~ex), exact=(ke, ve, hide(ex)))
+
+
 def _fp16_plan(c) -> KVPlan:
     return KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
 
 
-def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], batch: int = 8) -> dict:
+def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], batch: int = 8,
+             seq_len: int = 2048, lookahead: int = 6) -> dict:
     """plans: {name: KVPlan or format name ('fp16', 'fp8', 'int8', 'int4-naive')}. Returns a report dict
-    with one row per plan and a markdown table under "markdown"."""
+    with one row per plan and a markdown table under "markdown". seq_len, lookahead: the allocation compression is
+    reported for (an engine's max_seq_len and largest tree)."""
     c = verifier.cfg
     plans = {n: (p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size))
              for n, p in plans.items()}
@@ -94,7 +120,7 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
         nll, kl = sum(seq_nll), sum(seq_kl)
         rows.append({"name": name, "format": plan.format, "outlier_fraction": plan.outlier_fraction,
                      "fp8_units": sum(x == "fp8" for p in plan.precision for t in ("k", "v") for x in p[t]),
-                     "compression_vs_fp16": round(allocated_compression(plan, c), 4),
+                     "compression_vs_fp16": round(allocated_compression(plan, c, seq_len, lookahead), 4),
                      "ppl": math.exp(nll / n), "top1_agreement": agree / seqs.numel(),
                      "kl_vs_fp16": kl / seqs.numel(),
                      # per-sequence sums (NLL over predicted tokens, KL over positions): for paired statistics
@@ -103,7 +129,8 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
     base = next((r["ppl"] for r in rows if r["format"] == "fp16"), None)
     for r in rows:
         r["ppl_delta_pct"] = None if base is None else 100 * (r["ppl"] / base - 1)
-    report = {"tokens": int(seqs.numel()), "sequences": len(seqs), "seq_len": int(seqs.shape[1]), "rows": rows}
+    report = {"tokens": int(seqs.numel()), "sequences": len(seqs), "seq_len": int(seqs.shape[1]), "rows": rows,
+              "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead}}
     report["markdown"] = markdown_table(report)
     return report
 
@@ -240,6 +267,10 @@ def decode_logits(verifier: Llama, prefix_kv: list, tail: list[int], plan: KVPla
 
     def attend(layer, q, k, v):
         store.write(layer, new, k[0], v[0])
+        if plan.has_exact:
+            kh, vh = (x.to(q.dtype)[None] for x in store.read(layer, slots))
+            ke, ve = (torch.cat([p, x[0]])[None] for p, x in zip(prefix_kv[layer], (k, v)))
+            return attend_exact(q, kh, vh, ke, ve, plan, new, slots, visible)
         kh, vh = (x.to(q.dtype).transpose(0, 1) for x in store.read(layer, slots))  # [KV, N, D]
         rep = q.shape[2] // kh.shape[0]
         kh, vh = kh.repeat_interleave(rep, 0)[None], vh.repeat_interleave(rep, 0)[None]
@@ -358,6 +389,20 @@ def _pick(plans: dict, only) -> dict:
     return keep
 
 
+def _allocation(engine_dir: Path) -> tuple[int, int]:
+    """(max_seq_len, lookahead) the engine's runtime allocates its cache for (engine.json's limits and tree)."""
+    from bpcompile.runtime.speculative import TreeSpec
+
+    try:
+        e = json.loads((engine_dir / "engine.json").read_text())
+        s = e.get("speculative") or {}
+        tree = TreeSpec(s.get("tree", "none"), length=s.get("length", 5), nodes=s.get("nodes", 5),
+                        choices=s.get("choices"))
+        return int(e["limits"]["max_seq_len"]), tree.draft_tokens + 1
+    except (OSError, ValueError, KeyError, TypeError):
+        return 2048, 6
+
+
 def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: int = 16,
                            calib_length: int = 128, text=None, plans=None, passkey_lengths=(),
                            passkey_trials: int = 100, parity_prompts: int = 0, parity_tokens: int = 64,
@@ -390,8 +435,11 @@ def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: 
         all_plans[UNROTATED] = plan_from_measurement(m, verifier.cfg, 0.08)[0]
     if own is not None:
         all_plans[f"engine plan ({own.format})"] = own
+        if own.has_exact:  # what the exact entries buy, measured on the same windows
+            all_plans[f"engine plan ({own.format}), no exact entries"] = replace(own, sink_tokens=0, recent_window=0)
     chosen = _pick(all_plans, plans)
-    report = evaluate(verifier, chosen, windows)
+    seq_len, lookahead = _allocation(engine_dir)
+    report = evaluate(verifier, chosen, windows, seq_len=seq_len, lookahead=lookahead)
     report["engine"] = str(engine_dir)
     report["text"] = what
     if passkey_lengths or parity_prompts:

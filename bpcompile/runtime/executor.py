@@ -9,7 +9,7 @@ import torch
 
 from bpcompile.kernels.tree_mask import pack_rows
 from bpcompile.runtime.model import Llama, causal_attend
-from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, dense_attention, paged_attention
+from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, dense_attention, exact_reads, paged_attention
 from bpcompile.runtime.request import Request
 
 
@@ -93,13 +93,19 @@ class Executor:
             at = (torch.tensor([[row] * len(w) + [kv.dense.null] * (T - len(w)) for row, w in zip(rows, writes)],
                                device=dev).view(-1), torch.tensor(pad(writes), device=dev).view(-1))
             N = max(c + t for c, t in zip(ctx, tree_lens))
-            hidden = None
-            if B > 1 or T > 1 or mask is not None:  # one new token of one sequence sees every entry
+            hidden = exact = None
+            rep = model.cfg.num_heads // model.cfg.num_kv_heads
+            last = positions[0][0] == N - 1  # one new token at the end of its sequence (decode)
+            if B > 1 or T > 1 or mask is not None or (kv.recent is not None and not last):
                 batch = AttnBatch(None, torch.tensor(ctx, device=dev), torch.tensor(tree_lens, device=dev), None,
                                   mask, kv.ps)
-                rep = model.cfg.num_heads // model.cfg.num_kv_heads
-                hidden = ~batch.visible(T, N).repeat_interleave(rep, dim=1)[:, None]
-            attn = ("dense", at, rows, N, hidden)
+                visible = batch.visible(T, N)
+                if kv.recent is not None:
+                    visible, exact = self._exact_columns(visible, pos, writes, ctx, tree_lens, rows, rep)
+                hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
+            elif kv.recent is not None:
+                exact = self._exact_last(rows[0], N)
+            attn = ("dense", at, rows, N, hidden, exact)
         else:
             attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
                                        torch.tensor(tree_lens, device=dev),
@@ -107,16 +113,57 @@ class Executor:
         self.forwards += 1
         return self._call("run_forward", tok, pos, flat, attn, self._dense_width())
 
+    def _exact_last(self, row: int, N: int) -> tuple:
+        """Exact columns for one query at position N - 1 over entries [0, N) (the decode step): it reads the exact
+        copies of the sink entries and of [N - window, N), the stored ones of the run between."""
+        rec = self.kv.recent
+        lo = max(rec.sink, N - rec.window)
+        idx = list(range(min(rec.sink, N))) + list(range(lo, N))
+        dev = self.device
+        return (torch.tensor([row], device=dev), torch.tensor([idx], device=dev), None, (min(rec.sink, N), lo))
+
+    def _exact_columns(self, visible: torch.Tensor, pos: torch.Tensor, writes: list[list[int]], ctx: list[int],
+                       tree_lens: list[int], rows: list[int], rep: int) -> tuple[torch.Tensor, tuple]:
+        """For a batch with exact entries: (visible [B, T, N] of the stored entries, minus those read exact;
+        (rows, exact entry ids [B, M], hidden_e [B, 1, T * rep, M], None)). The M exact columns of sequence b are
+        its sink entries and [ctx_b - window + 1, ctx_b + tree_b): every entry a query of this step may read exact.
+        Tree entries' positions are their tokens' (this step's writes); context entries sit at their index."""
+        rec, dev = self.kv.recent, self.device
+        B, T, N = visible.shape
+        S, W = rec.sink, rec.window
+        n = torch.arange(N, device=dev)
+        kpos = n.repeat(B, 1)
+        for b, w in enumerate(writes):
+            kpos[b, w] = pos[b, :len(w)]
+        real = torch.tensor([[t < len(w) for t in range(T)] for w in writes], device=dev)
+        ex = exact_reads(pos, kpos, S, W) & real[:, :, None]  # [B, T, N]
+        win = W + max(tree_lens) - 1 if W > 0 else 0
+        m = torch.arange(S + win, device=dev)
+        c = torch.tensor(ctx, device=dev)[:, None]
+        e = torch.where(m < S, m, c - (W - 1) + (m - S))  # [B, M]
+        valid = (e >= 0) & (e < c + torch.tensor(tree_lens, device=dev)[:, None]) & ((m < S) | (e >= S))
+        ec = e.clamp(0, N - 1)
+        g = ec[:, None, :].expand(B, T, -1)
+        show = valid[:, None, :] & visible.gather(2, g) & ex.gather(2, g)
+        hidden_e = ~show.repeat_interleave(rep, dim=1)[:, None]
+        return visible & ~ex, (torch.tensor(rows, device=dev), ec, hidden_e, None)
+
     def run_forward(self, tok: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor, attn: tuple,
                     dense_width: int) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
         if attn[0] == "dense":
-            _, at, rows, N, hidden = attn
+            _, at, rows, N, hidden, exact = attn
             kv.dense.reserve(dense_width)
 
             def attend(layer, q, k, v):
                 kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
-                return dense_attention(q, *kv.dense.read(layer, rows, N), hidden)
+                kd, vd = kv.dense.read(layer, rows, N)
+                if exact is None:
+                    return dense_attention(q, kd, vd, hidden)
+                e_rows, e_idx, hidden_e, cut = exact
+                if cut is not None:  # one query: the stored entries it reads are a contiguous run
+                    kd, vd = kd[:, :, cut[0]:cut[1]], vd[:, :, cut[0]:cut[1]]
+                return dense_attention(q, kd, vd, hidden, exact=(*kv.recent.read(layer, e_rows, e_idx, q.dtype), hidden_e))
         else:
             batch = attn[1]
 

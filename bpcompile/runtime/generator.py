@@ -24,8 +24,8 @@ from bpcompile.core.engine import EXECUTORS, EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import Llama
-from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, cache_pages, float_store_factory,
-                                        kernels_for)
+from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, RecentKV, cache_pages,
+                                        float_store_factory, kernels_for)
 from bpcompile.runtime.request import (Request, RequestStats, SamplingParams, StepOutput, apply_penalties,
                                        apply_stops, keep_logits, penalized)
 from bpcompile.runtime.scheduler import Scheduler
@@ -76,13 +76,21 @@ class Generator:
         def make(model: Llama, factory: Optional[KVStoreFactory], role: str) -> Executor:
             store = (factory or float_store_factory(model.dtype))(model.cfg, self.num_pages, page_size,
                                                                  str(self.device))
+            plan = getattr(store, "plan", None)
+            exact = plan is not None and plan.has_exact
             if executor == "onnxruntime":
+                if exact:
+                    raise UserError("the onnxruntime executor's graphs do not read exact (sink / recent-window) "
+                                    "KV entries; use the torch executor for this plan", key="kv_cache.recent_window")
                 from bpcompile.runtime.onnx_executor import OnnxExecutor
 
                 return OnnxExecutor(model, PagedKV(store, self.device), self.device, self.g_max, Path(graphs) / role)
+            # exact entries are read on the DenseKV path (the kernels do not read them: kernels_for says so)
             dense = DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device) \
-                if dense_kv and kernels_for(store, self.device) is None else None
-            return Executor(model, PagedKV(store, self.device, dense), self.device, self.g_max, role)
+                if (dense_kv or exact) and kernels_for(store, self.device) is None else None
+            recent = RecentKV(store, max_batch_size, plan.sink_tokens, plan.recent_window, self.g_max, self.device) \
+                if exact else None
+            return Executor(model, PagedKV(store, self.device, dense, recent), self.device, self.g_max, role)
 
         self.v_exec = make(self.verifier, kv_store_factory, "verifier")
         self.d_exec = make(self.draft, draft_kv_store_factory, "draft") if self.draft is not None else None

@@ -313,6 +313,10 @@ class KVPlan:
     # "hadamard": K and V of every unit are stored rotated by H = hadamard(D) (docs/KV_FORMAT.md §3)
     rotation: str = "none"
     k_mean: Optional[torch.Tensor] = None  # [L, KV, D] float32, subtracted from keys first; None = zeros
+    # exact entries (docs/KV_FORMAT.md §5): a query reads the FP16 copy of a key/value whose position is below
+    # sink_tokens or within recent_window positions of its own (itself included), the stored codes otherwise
+    sink_tokens: int = 0
+    recent_window: int = 0
 
     def __post_init__(self):
         if self.rotation not in ROTATIONS:
@@ -331,6 +335,13 @@ class KVPlan:
                             key="kv_cache.format")
         if self.group_size <= 0:
             raise UserError(f"group_size must be positive, got {self.group_size}", key="kv_cache.group_size")
+        for name in ("sink_tokens", "recent_window"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise UserError(f"{name} must be a non-negative integer, got {n!r}", key=f"kv_cache.{name}")
+        if self.format == "fp16" and self.has_exact:
+            raise UserError("an fp16 cache is exact already: sink_tokens and recent_window are for quantized formats",
+                            key="kv_cache.recent_window")
         if self.format != "fp16":
             g = self.effective_group_size
             if self.head_size % g or (self.head_size % 2):
@@ -343,6 +354,19 @@ class KVPlan:
             bad = {x for p in self.precision for t in ("k", "v") for x in p[t]} - set(PRECISION_CODES)
             if bad:
                 raise UserError(f"unknown unit precision(s) {sorted(bad)}; expected int4, fp8 or int8", key="precision")
+
+    @property
+    def has_exact(self) -> bool:
+        """Whether some entries are also kept exact (FP16) beside their codes (sink or recent window)."""
+        return self.sink_tokens > 0 or self.recent_window > 0
+
+    def exact_bytes_per_sequence(self, lookahead: int) -> int:
+        """Bytes of one sequence's exact copies (runtime.paged_kv.RecentKV): K and V of every unit in FP16 for
+        sink_tokens + recent_window + lookahead entries (the ring also holds one step's tree)."""
+        if not self.has_exact:
+            return 0
+        return self.num_layers * self.num_kv_heads * 2 * 2 * self.head_size * (
+            self.sink_tokens + self.recent_window + lookahead)
 
     @property
     def effective_group_size(self) -> int:
@@ -384,8 +408,16 @@ class KVPlan:
             return self.num_layers * self.num_kv_heads * 2 * 2 * d
         return sum(BY_CODE[int(c)].payload_width(d) + 2 * (d // g) for c in self.unit_precision().flatten())
 
-    def compression_vs_fp16(self) -> float:
-        return self.num_layers * self.num_kv_heads * 2 * 2 * self.head_size / self.bytes_per_token()
+    def compression_vs_fp16(self, seq_len: Optional[int] = None, lookahead: int = 0) -> float:
+        """FP16 bytes / this plan's bytes per cached token; with exact entries, their per-sequence copies are
+        spread over seq_len tokens (a sequence's pages hold seq_len + lookahead tokens)."""
+        fp16 = self.num_layers * self.num_kv_heads * 2 * 2 * self.head_size
+        if not self.has_exact:
+            return fp16 / self.bytes_per_token()
+        if seq_len is None:
+            raise ValueError("a plan with exact entries has a compression only for a sequence length")
+        n = seq_len + lookahead
+        return fp16 * n / (self.bytes_per_token() * n + self.exact_bytes_per_sequence(lookahead))
 
     def to_json(self) -> dict:
         return {"format": self.format, "version": PLAN_VERSION, "num_layers": self.num_layers,
@@ -393,7 +425,8 @@ class KVPlan:
                 "outlier_fraction": self.outlier_fraction, "precision": self.precision,
                 "has_k_channel_scale": self.k_channel_scale is not None,
                 "has_int4_clip": self.int4_clip is not None, "rotation": self.rotation,
-                "has_k_mean": self.k_mean is not None, "calibration": self.calibration}
+                "has_k_mean": self.k_mean is not None, "sink_tokens": self.sink_tokens,
+                "recent_window": self.recent_window, "calibration": self.calibration}
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
@@ -427,7 +460,7 @@ class KVPlan:
             plan = cls(j["format"], j["num_layers"], j["num_kv_heads"], j["head_size"], j["group_size"],
                        j["precision"], t.get("k_channel_scale"), t.get("int4_clip"),
                        j.get("outlier_fraction", 0.0), j.get("calibration", {}),
-                       j.get("rotation", "none"), t.get("k_mean"))
+                       j.get("rotation", "none"), t.get("k_mean"), j.get("sink_tokens", 0), j.get("recent_window", 0))
         except KeyError as e:
             raise UserError("missing key in KV plan", file=str(f), key=str(e.args[0])) from None
         for name in ("k_channel_scale", "k_mean"):

@@ -88,14 +88,71 @@ class DenseKV:
         return self.k[layer, :, :, :n].index_select(0, r), self.v[layer, :, :, :n].index_select(0, r)
 
 
+class RecentKV:
+    """The exact copies of a plan with exact entries (KVPlan.sink_tokens / recent_window; docs/KV_FORMAT.md §5):
+    k, v [L, rows, KV, sink + ring, D] in FP16, one row per sequence (the DenseKV row). Logical entry i sits in
+    column i when i < sink, else in column sink + (i - sink) % ring. ring = window + lookahead: a step reads at
+    most [ctx - window + 1, ctx + tree) and writes [ctx, ctx + tree), tree <= lookahead, so nothing it reads is
+    overwritten. These are bytes of record: the cache's allocation counts them (`nbytes`)."""
+
+    def __init__(self, store: KVStore, rows: int, sink: int, window: int, lookahead: int, device):
+        self.sink, self.window, self.ring = sink, window, window + lookahead
+        self.rows = rows
+        shape = (store.num_layers, rows, store.num_kv_heads, sink + self.ring, store.head_size)
+        self.k = torch.zeros(shape, dtype=torch.float16, device=device)
+        self.v = torch.zeros(shape, dtype=torch.float16, device=device)
+
+    def column(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.where(idx < self.sink, idx, self.sink + (idx - self.sink) % self.ring)
+
+    def write(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, KV, D] of logical entries idx[N] of rows[N]. Rows >= self.rows (padding) are dropped, and so is
+        an entry a later one of the same call overwrites (a prompt longer than the ring): index_put with
+        repeated indices would keep an arbitrary one."""
+        real = rows < self.rows
+        last = torch.full((self.rows + 1,), -1, dtype=idx.dtype, device=idx.device)
+        last = last.scatter_reduce(0, rows.clamp(max=self.rows), idx, "amax")
+        keep = real & ((idx < self.sink) | (idx > last[rows.clamp(max=self.rows)] - self.ring))
+        if not bool(keep.all()):
+            rows, idx, k, v = rows[keep], idx[keep], k[keep], v[keep]
+        col = self.column(idx)
+        self.k[layer, rows, :, col] = k.to(torch.float16)
+        self.v[layer, rows, :, col] = v.to(torch.float16)
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        s, d = self.column(src), self.column(dst)
+        self.k[:, rows, :, d] = self.k[:, rows, :, s].clone()
+        self.v[:, rows, :, d] = self.v[:, rows, :, s].clone()
+
+    def read(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries idx [B, M] (each >= 0) of rows [B] -> k, v [B, KV, M, D] in dtype."""
+        col = self.column(idx)
+        r = rows[:, None].expand_as(col)
+        return (self.k[layer, r, :, col].transpose(1, 2).to(dtype), self.v[layer, r, :, col].transpose(1, 2).to(dtype))
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def exact_reads(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """[..., T, N] bool: where a query at q_pos [..., T] reads the exact copy of the key at k_pos [..., N] (a sink
+    position, or within `window` positions of its own, itself included). Position-relative, so a tree's query reads
+    what sequential decode at its position reads."""
+    d = q_pos[..., :, None] - k_pos[..., None, :]
+    return (k_pos[..., None, :] < sink) | (d < window)
+
+
 class PagedKV:
     """Pages of one KVStore handed out to sequences. Page 0 is the null page (padding writes).
 
     `kern`: the Triton kernels module when they run for this store (resolved once), else None. `dense`: a
     DenseKV the PyTorch path attends over (None: the reference `paged_attention` over `store.read`)."""
 
-    def __init__(self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None):
-        self.store, self.ps = store, store.page_size
+    def __init__(self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None,
+                 recent: Optional[RecentKV] = None):
+        if recent is not None and dense is None:
+            raise ValueError("exact entries (RecentKV) are read by the DenseKV attention path")
+        self.store, self.ps, self.recent = store, store.page_size, recent
         self.free = list(range(store.num_pages - 1, 0, -1))  # pop() hands out low page ids first
         self.tables: dict[str, list[int]] = {}
         self.kern = kernels_for(store, torch.device(device))
@@ -150,12 +207,20 @@ class PagedKV:
             self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
         else:  # the store decodes what it just wrote (what a read of those slots would return)
             self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v))
+        if self.recent is not None:
+            self.recent.write(layer, *dense_at, k, v)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, dense_at: Optional[tuple] = None) -> None:
         """Copy stored entries src -> dst (flat slots) in every layer; dense_at = (rows, src index, dst index)."""
         move_kv(self.store, src, dst, self.kern)
         if self.dense is not None:
             self.dense.move(*dense_at)
+        if self.recent is not None:
+            self.recent.move(*dense_at)
+
+    def nbytes(self) -> int:
+        """Bytes of record: the store's allocation and any exact copies (the DenseKV view is a host-side copy)."""
+        return self.store.nbytes() + (self.recent.nbytes() if self.recent is not None else 0)
 
 
 @dataclass
@@ -230,10 +295,18 @@ def kernels_for(store: KVStore, device: torch.device):
     from bpcompile.runtime.kvcache import QuantKVStore
 
     if isinstance(store, QuantKVStore) and (mode == "triton" or device.type == "cuda"):
+        if store.plan.has_exact:
+            _warn_once("the Triton kernels do not read exact (sink / recent-window) entries; using the PyTorch path")
+            return None
         from bpcompile.kernels import paged as kernels
         if _kernels_take(store.head_size, store.G):
             return kernels
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    print(f"bpcompile: warning: {msg}", file=sys.stderr)
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,12 +356,14 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Optional[torch.Tensor],
-                    scale: Optional[float] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, exact: Optional[tuple] = None) -> torch.Tensor:
     """q [B, T, H, D] over k, v [B, KV, N, D] (GQA: query head h reads KV head h // (H/KV)) -> [B, T, H, D].
 
     hidden: [B, 1, T * H/KV, N] bool, True where a query must not see a key (rows t * H/KV + r), or None when
-    every query sees every key; scale: of the scores (default D^-0.5). Plain matmul-softmax: at decode lengths
-    (a few query rows, N in the hundreds) SDPA's setup costs more than the arithmetic."""
+    every query sees every key; scale: of the scores (default D^-0.5). exact: (ek, ev [B, KV, M, D], hidden_e
+    [B, 1, T * H/KV, M] or None), more keys in the same softmax (a plan's exact copies, which replace the stored
+    entries they copy: `hidden` hides those). Plain matmul-softmax: at decode lengths (a few query rows, N in
+    the hundreds) SDPA's setup costs more than the arithmetic."""
     B, T, H, D = q.shape
     KV = k.shape[1]
     rep = H // KV
@@ -297,5 +372,15 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: O
     s = qh @ k.transpose(-1, -2)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
-    return (p @ v).view(B, KV, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
+    if exact is not None:
+        ek, ev, hidden_e = exact
+        se = qh @ ek.transpose(-1, -2)
+        if hidden_e is not None:
+            se = se.masked_fill(hidden_e, float("-inf"))
+        N = s.shape[-1]
+        p = torch.softmax(torch.cat([s, se], -1), dim=-1, dtype=torch.float32).to(v.dtype)
+        o = p[..., :N] @ v + p[..., N:] @ ev
+    else:
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+        o = p @ v
+    return o.view(B, KV, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
