@@ -3,9 +3,10 @@ to K and V, to K only, to V only, with the first S positions of every window kep
 sinks, stored as FP16), and with a recent window: each query reads the K/V of the W newest positions up to and
 including its own unquantized (position-relative, so tree verification would read what sequential decode reads),
 on the same held-out windows as `bpcompile eval` (builtin pydoc held-out split, 16 x 256 tokens, teacher-forced;
-each position attends to the decoded cache of the earlier positions and itself). An ablation, not a format: the
-sink and window variants are not implemented in the store, the kernels or the plugin, and their compression is
-not the plan's.
+each position attends to the decoded cache of the earlier positions and itself). Sinks and windows are applied
+here on top of the engine's plan whatever it holds (its own exact entries are not used), FP16 copies as in the
+format; the format's exact entries (KVPlan.sink_tokens / recent_window, docs/KV_FORMAT.md §4) are what
+`bpcompile eval` measures, with their bytes counted.
 
     .venv/bin/python scripts/ablate_kv.py engines/smollm2/1 --sinks 0,1,4,16 --windows 1,2,4,8,16
 """

@@ -160,7 +160,8 @@ def main():
     if a.bootstrap:
         report = json.loads(Path(a.bootstrap[0]).read_text())
         names = {r["name"] for r in report["rows"]}
-        pick = lambda want: next((n for n in names if n == want or n.startswith(want)), want)  # noqa: E731
+        # an exact name first: "engine plan (...)" is also a prefix of "engine plan (...), no exact entries"
+        pick = lambda want: want if want in names else next((n for n in sorted(names) if n.startswith(want)), want)  # noqa: E731
         print(paired_bootstrap(report, pick(a.bootstrap[1]), pick(a.bootstrap[2])))
         return
     torch.manual_seed(0)

@@ -6,8 +6,9 @@
 Every row decodes the same chat prompts (held-out pydoc instruction prompts through SmolLM2's chat template)
 greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 weights, --threads intra-op
 threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
-bpcompile verifier-only with an FP16 cache and with the default KV plan (calibrated here on the builtin
-pydoc train split); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache); and
+bpcompile verifier-only with an FP16 cache, with the default KV plan (recipes/smollm2.yaml's kv_cache on the
+native target, calibrated here on the builtin pydoc train split) and with that plan's codes alone (`plan_codes`:
+its exact FP16 sink and window off); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache); and
 speculation with a draft of random weights (back-off on); speculative rows with and without back-off. Runs are interleaved: each repeat times every row
 on every prompt, rows in a rotated order, so drift hits all rows alike. A ratio is the median over repeats of
 (row's total time / the reference row's total time) inverted, with the min..max over repeats beside it.
@@ -23,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -120,6 +122,8 @@ def main() -> None:
         "hf_assisted": ("transformers assisted generation, shipped draft", hf(hv, hd)),
         "fp16": ("bpcompile verifier only, FP16 KV", ours(v, None, TreeSpec("none"), fp16)),
         "plan": ("bpcompile verifier only, default KV plan", ours(v, None, TreeSpec("none"), kv_store_factory(plan))),
+        "plan_codes": ("bpcompile verifier only, default KV plan without its exact entries",
+                       ours(v, None, TreeSpec("none"), kv_store_factory(replace(plan, sink_tokens=0, recent_window=0)))),
         "chain3": ("bpcompile chain 3, FP16 KV, back-off", ours(v, d, TreeSpec("chain", length=3), fp16)),
         "dyn5": ("bpcompile dynamic tree 5, FP16 KV, back-off", ours(v, d, TreeSpec("dynamic", nodes=5), fp16)),
         "chain3_raw": ("bpcompile chain 3, FP16 KV, no back-off",

@@ -227,11 +227,14 @@ def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
         if fmt != "fp16":
             plan = KVPlan.uniform(fmt, vcfg.num_layers, vcfg.num_kv_heads, vcfg.head_size, group_size=16)
             plan.precision[0]["k"][0] = "fp8"  # 1 of 4 units in FP8: outlier_fraction 0.25
+            # the recipe's autos on the native target: an FP16 sink and window, whose copies the estimate counts
+            assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window) == (1, 16)
+            plan.sink_tokens, plan.recent_window = r.kv_cache.sink_tokens, r.kv_cache.recent_window
             factory = kv_store_factory(plan)
         gen = Generator(models["verifier"], models["draft"], TreeSpec(r.speculative.tree, nodes=r.speculative.nodes),
                         max_batch_size=r.limits.max_batch_size, max_seq_len=r.limits.max_seq_len,
                         page_size=r.kv_cache.page_size, kv_store_factory=factory)
-        allocated = gen.vkv.store.nbytes() + gen.dkv.store.nbytes()
+        allocated = gen.vkv.nbytes() + gen.dkv.nbytes()
         estimate = kv_pool_bytes(r, read_hf_config(pair[0]), read_hf_config(pair[1]))
         assert 0.95 * allocated <= estimate <= 1.05 * allocated + 4096, (fmt, estimate, allocated)
 

@@ -120,12 +120,12 @@ class Executor:
         lo = max(rec.sink, N - rec.window)
         idx = list(range(min(rec.sink, N))) + list(range(lo, N))
         dev = self.device
-        return (torch.tensor([row], device=dev), torch.tensor([idx], device=dev), None, (min(rec.sink, N), lo))
+        return (torch.tensor([row], device=dev), rec.column(torch.tensor([idx], device=dev)), None, (min(rec.sink, N), lo))
 
     def _exact_columns(self, visible: torch.Tensor, pos: torch.Tensor, writes: list[list[int]], ctx: list[int],
                        tree_lens: list[int], rows: list[int], rep: int) -> tuple[torch.Tensor, tuple]:
         """For a batch with exact entries: (visible [B, T, N] of the stored entries, minus those read exact;
-        (rows, exact entry ids [B, M], hidden_e [B, 1, T * rep, M], None)). The M exact columns of sequence b are
+        (rows, RecentKV columns of the exact entries [B, M], hidden_e [B, 1, T * rep, M], None)). The M exact columns of sequence b are
         its sink entries and [ctx_b - window + 1, ctx_b + tree_b): every entry a query of this step may read exact.
         Tree entries' positions are their tokens' (this step's writes); context entries sit at their index."""
         rec, dev = self.kv.recent, self.device
@@ -146,7 +146,7 @@ class Executor:
         g = ec[:, None, :].expand(B, T, -1)
         show = valid[:, None, :] & visible.gather(2, g) & ex.gather(2, g)
         hidden_e = ~show.repeat_interleave(rep, dim=1)[:, None]
-        return visible & ~ex, (torch.tensor(rows, device=dev), ec, hidden_e, None)
+        return visible & ~ex, (torch.tensor(rows, device=dev), rec.column(ec), hidden_e, None)
 
     def run_forward(self, tok: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor, attn: tuple,
                     dense_width: int) -> torch.Tensor:
@@ -160,10 +160,10 @@ class Executor:
                 kd, vd = kv.dense.read(layer, rows, N)
                 if exact is None:
                     return dense_attention(q, kd, vd, hidden)
-                e_rows, e_idx, hidden_e, cut = exact
+                e_rows, e_cols, hidden_e, cut = exact
                 if cut is not None:  # one query: the stored entries it reads are a contiguous run
                     kd, vd = kd[:, :, cut[0]:cut[1]], vd[:, :, cut[0]:cut[1]]
-                return dense_attention(q, kd, vd, hidden, exact=(*kv.recent.read(layer, e_rows, e_idx, q.dtype), hidden_e))
+                return dense_attention(q, kd, vd, hidden, exact=(*kv.recent.read(layer, e_rows, e_cols, q.dtype), hidden_e))
         else:
             batch = attn[1]
 

@@ -124,9 +124,12 @@ class RecentKV:
         self.k[:, rows, :, d] = self.k[:, rows, :, s].clone()
         self.v[:, rows, :, d] = self.v[:, rows, :, s].clone()
 
-    def read(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries idx [B, M] (each >= 0) of rows [B] -> k, v [B, KV, M, D] in dtype."""
-        col = self.column(idx)
+    def read(self, layer: int, rows: torch.Tensor, col: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns col [B, M] (`column` of the entries wanted, computed once per forward) of rows [B] -> k, v
+        [B, KV, M, D] in dtype."""
+        if rows.numel() == 1:  # decode of one sequence: a plain index, no gather of row ids
+            r = int(rows[0])
+            return self.k[layer, r, :, col[0]][None].to(dtype), self.v[layer, r, :, col[0]][None].to(dtype)
         r = rows[:, None].expand_as(col)
         return (self.k[layer, r, :, col].transpose(1, 2).to(dtype), self.v[layer, r, :, col].transpose(1, 2).to(dtype))
 
