@@ -167,7 +167,7 @@ def main() -> None:
     for k in keys:
         tps = n_tok / statistics.median(total[k])
         rh, rf = ratio(k, "hf"), ratio(k, "fp16")
-        tau = f"{statistics.mean(taus[k]):.2f}" if taus[k] and k not in ("fp16", "plan") else ""
+        tau = f"{statistics.mean(taus[k]):.2f}" if taus[k] and k not in ("fp16", "plan", "plan_codes") else ""
         lines.append(f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
                      f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |")
     if "hf_assisted" in keys:

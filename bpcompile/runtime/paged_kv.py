@@ -101,6 +101,7 @@ class RecentKV:
         shape = (store.num_layers, rows, store.num_kv_heads, sink + self.ring, store.head_size)
         self.k = torch.zeros(shape, dtype=torch.float16, device=device)
         self.v = torch.zeros(shape, dtype=torch.float16, device=device)
+        self._memo: Optional[tuple] = None
 
     def column(self, idx: torch.Tensor) -> torch.Tensor:
         return torch.where(idx < self.sink, idx, self.sink + (idx - self.sink) % self.ring)
@@ -109,15 +110,25 @@ class RecentKV:
         """k, v [N, KV, D] of logical entries idx[N] of rows[N]. Rows >= self.rows (padding) are dropped, and so is
         an entry a later one of the same call overwrites (a prompt longer than the ring): index_put with
         repeated indices would keep an arbitrary one."""
+        rows, col, keep = self._targets(rows, idx)
+        if keep is not None:
+            k, v = k[keep], v[keep]
+        self.k[layer, rows, :, col] = k.to(torch.float16)
+        self.v[layer, rows, :, col] = v.to(torch.float16)
+
+    def _targets(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple:
+        """(rows, columns, keep mask or None) of a write. Every layer of a forward writes the same (rows, idx)
+        tensors, so the last answer is kept for them: one computation per forward, not per layer."""
+        memo = self._memo
+        if memo is not None and memo[0] is rows and memo[1] is idx:
+            return memo[2]
         real = rows < self.rows
         last = torch.full((self.rows + 1,), -1, dtype=idx.dtype, device=idx.device)
         last = last.scatter_reduce(0, rows.clamp(max=self.rows), idx, "amax")
         keep = real & ((idx < self.sink) | (idx > last[rows.clamp(max=self.rows)] - self.ring))
-        if not bool(keep.all()):
-            rows, idx, k, v = rows[keep], idx[keep], k[keep], v[keep]
-        col = self.column(idx)
-        self.k[layer, rows, :, col] = k.to(torch.float16)
-        self.v[layer, rows, :, col] = v.to(torch.float16)
+        out = (rows, self.column(idx), None) if bool(keep.all()) else (rows[keep], self.column(idx[keep]), keep)
+        self._memo = (rows, idx, out)
+        return out
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         s, d = self.column(src), self.column(dst)
