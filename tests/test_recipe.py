@@ -36,7 +36,7 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 
 @pytest.mark.parametrize("target,executor,fmt,want", [
-    ("native", "torch", "int4-fp8-outlier", (1, 16, 0.02)),  # the default: exact sink and window, 2% FP8 units
+    ("native", "torch", "int4-fp8-outlier", (0, 16, 0.02)),  # the default: an exact window, 2% FP8 units
     ("native", "onnxruntime", "int4-fp8-outlier", (0, 0, 0.08)),  # the graphs do not read exact entries
     ("tensorrt", "torch", "int4-fp8-outlier", (0, 0, 0.08)),  # nor does the TensorRT plugin
     ("native", "torch", "int8", (0, 0, 0.08)),  # auto turns them on for the INT4 format only

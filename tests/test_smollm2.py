@@ -115,9 +115,9 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     plan = KVPlan.load(Path(out["path"]) / "kv_plan")
-    # the recipe's autos on the native target: an FP16 sink and 16-token window, and 2% FP8 units; >= 3.5x with the
+    # the recipe's autos on the native target: a 16-token FP16 window (no sink) and 2% FP8 units; >= 3.5x with the
     # window's copies counted at the recipe's 2048 tokens and dynamic tree of 5 (6 entries a step)
-    assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (1, 16)
+    assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 16)
     assert plan.compression_vs_fp16(2048, 6) >= 3.5
     assert sum(x == "fp8" for layer in plan.precision for t in "kv" for x in layer[t]) == 4  # 2% of 180 units
     res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "What is the capital of France?",

@@ -227,8 +227,8 @@ def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
         if fmt != "fp16":
             plan = KVPlan.uniform(fmt, vcfg.num_layers, vcfg.num_kv_heads, vcfg.head_size, group_size=16)
             plan.precision[0]["k"][0] = "fp8"  # 1 of 4 units in FP8: outlier_fraction 0.25
-            # the recipe's autos on the native target: an FP16 sink and window, whose copies the estimate counts
-            assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window) == (1, 16)
+            # the recipe's autos on the native target: an FP16 window, whose copies the estimate counts
+            assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window) == (0, 16)
             plan.sink_tokens, plan.recent_window = r.kv_cache.sink_tokens, r.kv_cache.recent_window
             factory = kv_store_factory(plan)
         gen = Generator(models["verifier"], models["draft"], TreeSpec(r.speculative.tree, nodes=r.speculative.nodes),

@@ -120,13 +120,15 @@ class Executor:
         lo = max(rec.sink, N - rec.window)
         idx = list(range(min(rec.sink, N))) + list(range(lo, N))
         dev = self.device
-        return (torch.tensor([row], device=dev), rec.column(torch.tensor([idx], device=dev)), None, (min(rec.sink, N), lo))
+        cols = rec.column(torch.tensor([idx], device=dev))
+        return torch.tensor([row], device=dev), cols, None, (min(rec.sink, N), lo)
 
     def _exact_columns(self, visible: torch.Tensor, pos: torch.Tensor, writes: list[list[int]], ctx: list[int],
                        tree_lens: list[int], rows: list[int], rep: int) -> tuple[torch.Tensor, tuple]:
         """For a batch with exact entries: (visible [B, T, N] of the stored entries, minus those read exact;
-        (rows, RecentKV columns of the exact entries [B, M], hidden_e [B, 1, T * rep, M], None)). The M exact columns of sequence b are
-        its sink entries and [ctx_b - window + 1, ctx_b + tree_b): every entry a query of this step may read exact.
+        (rows, RecentKV columns of the exact entries [B, M], hidden_e [B, 1, T * rep, M], None)). The M exact
+        columns of sequence b are its sink entries and [ctx_b - window + 1, ctx_b + tree_b): every entry a query
+        of this step may read exact.
         Tree entries' positions are their tokens' (this step's writes); context entries sit at their index."""
         rec, dev = self.kv.recent, self.device
         B, T, N = visible.shape
@@ -163,7 +165,8 @@ class Executor:
                 e_rows, e_cols, hidden_e, cut = exact
                 if cut is not None:  # one query: the stored entries it reads are a contiguous run
                     kd, vd = kd[:, :, cut[0]:cut[1]], vd[:, :, cut[0]:cut[1]]
-                return dense_attention(q, kd, vd, hidden, exact=(*kv.recent.read(layer, e_rows, e_cols, q.dtype), hidden_e))
+                ek, ev = kv.recent.read(layer, e_rows, e_cols, q.dtype)
+                return dense_attention(q, kd, vd, hidden, exact=(ek, ev, hidden_e))
         else:
             batch = attn[1]
 

@@ -135,7 +135,8 @@ class RecentKV:
         self.k[:, rows, :, d] = self.k[:, rows, :, s].clone()
         self.v[:, rows, :, d] = self.v[:, rows, :, s].clone()
 
-    def read(self, layer: int, rows: torch.Tensor, col: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: torch.Tensor, col: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns col [B, M] (`column` of the entries wanted, computed once per forward) of rows [B] -> k, v
         [B, KV, M, D] in dtype."""
         if rows.numel() == 1:  # decode of one sequence: a plain index, no gather of row ids
