@@ -106,13 +106,9 @@ def main() -> None:
         if b.is_floating_point() and "norm" not in name:
             torch.nn.init.normal_(b, std=0.02)
     t = time.perf_counter()
-    # the default plan: recipes/smollm2.yaml's kv_cache section as the native target resolves it
-    import yaml
-    from bpcompile.core.engine import EngineConfig
+    from bench_overhead import default_kv_cache  # this directory: the recipe's kv_cache as the native target resolves it
 
-    kv = EngineConfig.model_validate({"name": "bench", "kv_cache": yaml.safe_load(
-        (REPO / "recipes" / "smollm2.yaml").read_text())["kv_cache"]}).kv_cache.model_dump()
-    plan, _ = calibrate(v, corpus.calibration_samples(tok, 16, 128), kv)
+    plan, _ = calibrate(v, corpus.calibration_samples(tok, 16, 128), default_kv_cache())
     print(f"calibrated the default plan in {time.perf_counter() - t:.0f}s ({plan.compression_vs_fp16(2048, 6):.2f}x "
           f"at 2048 tokens)",
           file=sys.stderr)
