@@ -390,17 +390,16 @@ def _pick(plans: dict, only) -> dict:
 
 
 def _allocation(engine_dir: Path) -> tuple[int, int]:
-    """(max_seq_len, lookahead) the engine's runtime allocates its cache for (engine.json's limits and tree)."""
-    from bpcompile.runtime.speculative import TreeSpec
+    """(max_seq_len, lookahead) the engine's runtime allocates its cache for (engine.json's limits and tree);
+    evaluate()'s defaults for a version without engine.json."""
+    from bpcompile.build.plan import tree_tokens
+    from bpcompile.core.engine import EngineConfig
 
     try:
-        e = json.loads((engine_dir / "engine.json").read_text())
-        s = e.get("speculative") or {}
-        tree = TreeSpec(s.get("tree", "none"), length=s.get("length", 5), nodes=s.get("nodes", 5),
-                        choices=s.get("choices"))
-        return int(e["limits"]["max_seq_len"]), tree.draft_tokens + 1
-    except (OSError, ValueError, KeyError, TypeError):
+        e = EngineConfig.load(engine_dir)
+    except UserError:
         return 2048, 6
+    return e.limits.max_seq_len, tree_tokens(e)
 
 
 def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: int = 16,

@@ -89,7 +89,7 @@ class DenseKV:
 
 
 class RecentKV:
-    """The exact copies of a plan with exact entries (KVPlan.sink_tokens / recent_window; docs/KV_FORMAT.md §5):
+    """The exact copies of a plan with exact entries (KVPlan.sink_tokens / recent_window; docs/KV_FORMAT.md §4):
     k, v [L, rows, KV, sink + ring, D] in FP16, one row per sequence (the DenseKV row). Logical entry i sits in
     column i when i < sink, else in column sink + (i - sink) % ring. ring = window + lookahead: a step reads at
     most [ctx - window + 1, ctx + tree) and writes [ctx, ctx + tree), tree <= lookahead, so nothing it reads is
