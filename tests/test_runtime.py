@@ -10,7 +10,7 @@ import torch
 
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import FloatKVStore
-from bpcompile.runtime.model import Llama, ModelConfig, causal_attend
+from bpcompile.runtime.model import Llama, ModelConfig, causal_attend, cpu_packing_works
 from bpcompile.commands import generate_text
 from bpcompile.runtime.generator import Generator, SamplingParams, StepOutput, TreeSpec
 from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, paged_attention
@@ -48,6 +48,36 @@ def plain_greedy(model: Llama, prompt: list[int], n: int) -> list[int]:
 def reference(pair_, prompts, max_tokens):
     gen = Generator(pair_[0], None, None, max_batch_size=len(prompts), page_size=4)
     return [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+@pytest.mark.skipif(not cpu_packing_works(), reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_weights_compute_what_plain_ones_do(pair, tied):
+    """oneDNN-packed weights (how engines run on CPU): every linear and the head swapped, logits equal the
+    plain layout's to float32 rounding for 1-token decode and multi-row (tree-sized) batches, the weights read
+    back unchanged, the model still moves; a non-float32 model is left as it is."""
+    w = dict(pair[0].w)
+    w["transformer.layers.0.attention.qkv.bias"] = torch.randn(w["transformer.layers.0.attention.qkv.weight"].shape[0])
+    if tied:
+        w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
+    plain, packed = Llama(CFG, w), Llama(CFG, w)
+    assert plain.tied == tied and packed.pack_for_cpu()
+    assert {type(m).__name__ for m in packed.modules()} & {"_Linear"} == set()
+    packed = packed.to("cpu")
+    for shape in [(1, 1), (1, 6), (3, 12)]:
+        toks = torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(sum(shape)))
+        a, b = plain(toks), packed(toks)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (shape, (a - b).abs().max())
+    assert plain.w.keys() == packed.w.keys()
+    assert all(torch.equal(plain.w[k], packed.w[k]) for k in plain.w)
+    assert torch.equal(plain.embed, packed.embed)
+    assert not Llama(CFG, w, dtype=torch.bfloat16).pack_for_cpu()
+    # the served path: greedy decode through the paged cache with trees is identical to plain greedy
+    gen = Generator(packed, noisy_copy(plain, 0.3, seed=1), TreeSpec("dynamic", nodes=5), page_size=4)
+    got = [t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))]
+    assert got == [plain_greedy(plain, p, 12) for p in PROMPTS[:2]]
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -441,6 +471,8 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
 
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "FloatKVStore"
+    if cpu_packing_works():  # engines run on CPU with oneDNN-packed weights (see test_packed_weights_...)
+        assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == "PackedLinear"
     KVPlan.uniform("int8", 2, 2, 16, group_size=16).save(eng / "kv_plan")
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "QuantKVStore" and type(gen.dkv.store).__name__ == "FloatKVStore"

@@ -169,6 +169,10 @@ class Generator:
                 (lambda role: Llama.from_checkpoint(d / role, dtype=None))
             verifier = load("verifier")
             draft = load("draft") if tree.kind != "none" else None
+            if executor == "torch" and torch.device(device).type == "cpu":
+                for m in (verifier, draft):  # oneDNN-packed weights: tree verifies at near one-token cost
+                    if m is not None:
+                        m.pack_for_cpu()
             gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                       page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
                       draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
