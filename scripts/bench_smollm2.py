@@ -131,6 +131,8 @@ def main() -> None:
                        ours(v, d, TreeSpec("chain", length=3), fp16, backoff=False)),
         "dyn5_raw": ("bpcompile dynamic tree 5, FP16 KV, no back-off",
                      ours(v, d, TreeSpec("dynamic", nodes=5), fp16, backoff=False)),
+        "static2_raw": ("bpcompile static tree [[0], [1]] (the draft's top 2 at depth 1), FP16 KV, no back-off",
+                        ours(v, d, TreeSpec("static", choices=[[0], [1]]), fp16, backoff=False)),
         "random": ("bpcompile dynamic tree 5, random-weight draft, back-off", ours(v, rnd, TreeSpec("dynamic", nodes=5), fp16)),
     }
     if a.rows != "all":
@@ -160,7 +162,7 @@ def main() -> None:
         return statistics.median(rs), min(rs), max(rs)
 
     identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps)))
-                 for k in keys if k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "random")}
+                 for k in keys if k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "static2_raw", "random")}
     n_tok = a.max_tokens * len(ps)
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
              f"weights ({'plain layout' if a.plain_weights else 'oneDNN-packed'} for bpcompile), {a.threads} threads, "
@@ -173,7 +175,7 @@ def main() -> None:
         lines.append(f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
                      f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |")
     if "hf_assisted" in keys:
-        for k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw"):
+        for k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "static2_raw"):
             if k in keys:
                 r = ratio(k, "hf_assisted")
                 lines.append(f"\n{rows[k][0]} vs transformers assisted generation: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})")
