@@ -196,7 +196,7 @@ def export_engine(engine_dir: str | Path) -> dict:
     from bpcompile.runtime.generator import Generator
 
     d = Path(engine_dir)
-    gen = Generator.from_engine(d, executor="torch")
+    gen = Generator.from_engine(d, executor="torch", pack=False)  # the exporter traces plain linears
     files = export_generator(gen, d / "onnx")
     nodes, size = {}, 0
     for role, graphs in files.items():

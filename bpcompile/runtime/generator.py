@@ -107,7 +107,7 @@ class Generator:
     def from_engine(cls, engine_dir, *, tree: Optional[TreeSpec] = None, device: str = "cpu",
                     kv_store_factory: Optional[KVStoreFactory] = None,
                     draft_kv_store_factory: Optional[KVStoreFactory] = None,
-                    executor: Optional[str] = None, tp: Optional[int] = None,
+                    executor: Optional[str] = None, tp: Optional[int] = None, pack: bool = True,
                     _rank: int = 0, _group=None) -> "Generator":
         """Load engine_dir/verifier, engine_dir/draft (converted checkpoints), the engine config
         (engine.json: speculative tree, limits, KV page size and format, executor) and, unless a factory is
@@ -117,7 +117,9 @@ class Generator:
 
         tp: tensor-parallel size to run at: 1 merges the rank files into one process; the checkpoint's own tp
         runs one process per rank (runtime/tp.py; call `close()` to stop them). Default: the engine's
-        parallel.tp when its pp is 1, else 1. _rank/_group: a worker rank's own load (runtime/tp.py)."""
+        parallel.tp when its pp is 1, else 1. pack: on CPU with the torch executor, run float32 models with
+        oneDNN-packed weights (`Llama.pack_for_cpu`; False keeps plain modules, e.g. for ONNX export).
+        _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if not (d / "verifier" / "config.json").is_file():
             raise UserError(f"{d}: no converted verifier checkpoint (expected {d / 'verifier' / 'config.json'})")
@@ -169,7 +171,7 @@ class Generator:
                 (lambda role: Llama.from_checkpoint(d / role, dtype=None))
             verifier = load("verifier")
             draft = load("draft") if tree.kind != "none" else None
-            if executor == "torch" and torch.device(device).type == "cpu":
+            if pack and executor == "torch" and torch.device(device).type == "cpu":
                 for m in (verifier, draft):  # oneDNN-packed weights: tree verifies at near one-token cost
                     if m is not None:
                         m.pack_for_cpu()
