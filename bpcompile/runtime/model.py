@@ -10,6 +10,7 @@ and attends over committed context plus a speculation tree. Custom kernels slot 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -162,6 +163,7 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+@functools.cache
 def cpu_packing_works() -> bool:
     """Whether this torch build has oneDNN's packed linear and it agrees with a plain product (a CPU build
     without oneDNN, or another CPU architecture, keeps plain weights)."""
@@ -181,8 +183,9 @@ class RowParallel(torch.nn.Module):
 
     def __init__(self, lin: _Linear, group):
         super().__init__()
-        self.mm = _Linear(lin.weight)  # the rank's slice, no bias
-        self.register_buffer("bias", lin.bias)
+        self.register_buffer("bias", lin.bias)  # added once, after the sum: the slice's product has none
+        lin.bias = None
+        self.mm = lin
         self.group = group
 
     @property
