@@ -122,13 +122,15 @@ def plan(recipe, device, memory_gb, bandwidth_tbs, as_json):
     """Per-GPU memory plan of RECIPE: weights, KV caches at its limits, activations, what fits, a projected
     decode speed; at the recipe's tp and at the smallest tp that fits. Reads only the models' config.json.
     Exit 2 when the recipe does not fit at its own tp."""
-    from bpcompile.build.hf import read_hf_config
+    from bpcompile.build.hf import is_feature_draft, read_feature_draft, read_hf_config
     from bpcompile.build.plan import device_from, markdown, plan_report
     from bpcompile.build.recipe import parse_recipe
 
     r, _ = parse_recipe(recipe)
     base = recipe.resolve().parent
-    cfgs = [read_hf_config(base / m.path) for m in (r.models.verifier, r.models.draft)]
+    cfgs = [read_hf_config(base / r.models.verifier.path)]
+    d = base / r.models.draft.path
+    cfgs.append(read_feature_draft(d, cfgs[0]) if is_feature_draft(d) else read_hf_config(d))
     report = plan_report(r, cfgs[0], cfgs[1], device_from(device, memory_gb, bandwidth_tbs))
     if as_json:
         _emit_json(report)

@@ -27,7 +27,10 @@ def shards_summary(d: Path) -> dict:
 
 def checkpoint_info(d: Path) -> dict:
     cfg = json.loads((d / "config.json").read_text())
-    if "architecture" in cfg:  # TensorRT-LLM checkpoint
+    if cfg.get("architecture") == "FeatureDraft":  # a draft on the verifier's features (runtime/model.py)
+        info = {"kind": "feature-draft", "architecture": "FeatureDraft", "layers": cfg.get("num_layers"),
+                "intermediate": cfg.get("intermediate_size")}
+    elif "architecture" in cfg:  # TensorRT-LLM checkpoint
         m = cfg.get("mapping", {})
         info = {"kind": "trtllm-checkpoint", "architecture": cfg["architecture"], "dtype": cfg.get("dtype"),
                 "tp": m.get("tp_size", 1), "pp": m.get("pp_size", 1),

@@ -8,8 +8,10 @@ greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 wei
 threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
 bpcompile verifier-only with an FP16 cache, with the default KV plan (recipes/smollm2.yaml's kv_cache on the
 native target, calibrated here on the builtin pydoc train split) and with that plan's codes alone (`plan_codes`:
-its exact FP16 sink and window off); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache); and
-speculation with a draft of random weights (back-off on); speculative rows with and without back-off. Runs are interleaved: each repeat times every row
+its exact FP16 sink and window off); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache),
+with the feature draft (`feat_*`: models/smollm2/feature_draft, one layer on the verifier's hidden states; transformers
+has no assisted generation for such a draft, so its peer is assisted generation with the shipped standalone draft), and
+with a draft of random weights (back-off on); speculative rows with and without back-off. Runs are interleaved: each repeat times every row
 on every prompt, rows in a rotated order, so drift hits all rows alike. A ratio is the median over repeats of
 (row's total time / the reference row's total time) inverted, with the min..max over repeats beside it.
 Greedy identity: every speculative row's tokens must equal verifier-only's (same FP16 cache) on every prompt.
@@ -36,7 +38,7 @@ from bpcompile.build import corpus
 from bpcompile.build.calibrate import calibrate  # noqa: E402
 from bpcompile.build.convert import convert_checkpoint  # noqa: E402
 from bpcompile.runtime.kvcache import kv_store_factory  # noqa: E402
-from bpcompile.runtime.model import Llama  # noqa: E402
+from bpcompile.runtime.model import FeatureDraft, Llama  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
 from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
 
@@ -51,8 +53,13 @@ def _distill_module():
 def prompts(tok, n: int, max_prompt: int, seed: int) -> list[list[int]]:
     """Held-out instruction prompts (the draft was distilled on other documents' prompts), chat-templated."""
     d = _distill_module()
-    out = [d.chat_ids(tok, p) for p in d.instruction_prompts(corpus.heldout_documents(), 4 * n, seed)]
-    return [ids for ids in out if len(ids) <= max_prompt][:n]
+    pool = 4 * n
+    while True:  # pools are prefixes of one shuffled list: a larger one only adds prompts after the first n
+        texts = d.instruction_prompts(corpus.heldout_documents(), pool, seed)
+        out = [ids for ids in (d.chat_ids(tok, p) for p in texts) if len(ids) <= max_prompt]
+        if len(out) >= n or len(texts) < pool:
+            return out[:n]
+        pool *= 2
 
 
 def ours(verifier, draft, tree, kv_factory, backoff=True):
@@ -78,6 +85,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--verifier", default=str(REPO / "models/smollm2/verifier"))
     ap.add_argument("--draft", default=str(REPO / "models/smollm2/draft"))
+    ap.add_argument("--feature-draft", default=str(REPO / "models/smollm2/feature_draft"),
+                    help="the FeatureDraft for the feat_* rows (scripts/train_smollm2_feature_draft.py)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=256, help="longest prompt kept, in tokens")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -117,6 +126,16 @@ def main() -> None:
     if not a.plain_weights:  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
         for m in (v, d, rnd):
             m.pack_for_cpu()
+    fd = fd_rnd = None
+    if Path(a.feature_draft, "config.json").is_file():
+        fd = FeatureDraft.from_dir(a.feature_draft, v)  # shares v's (packed) head and embedding
+        fd_rnd = FeatureDraft.from_dir(a.feature_draft, v)
+        for name, b in fd_rnd.named_buffers():  # same shape and cost, useless proposals
+            if b.is_floating_point() and "norm" not in name and "sub_head" not in name:
+                torch.nn.init.normal_(b, std=0.02)
+        if not a.plain_weights:
+            fd.pack_for_cpu()
+            fd_rnd.pack_for_cpu()
     fp16 = float_store_factory(torch.float16)
     rows = {
         "hf": ("transformers generate (fp32 cache)", hf(hv)),
@@ -135,6 +154,27 @@ def main() -> None:
                         ours(v, d, TreeSpec("static", choices=[[0], [1]]), fp16, backoff=False)),
         "random": ("bpcompile dynamic tree 5, random-weight draft, back-off", ours(v, rnd, TreeSpec("dynamic", nodes=5), fp16)),
     }
+    if fd is not None:
+        rows.update({
+            "feat_chain3": ("bpcompile chain 3, feature draft, FP16 KV, back-off",
+                            ours(v, fd, TreeSpec("chain", length=3), fp16)),
+            "feat_chain4_raw": ("bpcompile chain 4, feature draft, FP16 KV, no back-off",
+                                ours(v, fd, TreeSpec("chain", length=4), fp16, backoff=False)),
+            "feat_dyn6_raw": ("bpcompile dynamic tree 6, feature draft, FP16 KV, no back-off",
+                              ours(v, fd, TreeSpec("dynamic", nodes=6), fp16, backoff=False)),
+            "feat_chain3_raw": ("bpcompile chain 3, feature draft, FP16 KV, no back-off",
+                                ours(v, fd, TreeSpec("chain", length=3), fp16, backoff=False)),
+            "feat_dyn5_raw": ("bpcompile dynamic tree 5, feature draft, FP16 KV, no back-off",
+                              ours(v, fd, TreeSpec("dynamic", nodes=5), fp16, backoff=False)),
+            "feat_random": ("bpcompile dynamic tree 5, random-weight feature draft, back-off",
+                            ours(v, fd_rnd, TreeSpec("dynamic", nodes=5), fp16)),
+            "feat_dyn5": ("bpcompile dynamic tree 5, feature draft, FP16 KV, back-off",
+                          ours(v, fd, TreeSpec("dynamic", nodes=5), fp16)),
+            "feat_plan_dyn5": ("bpcompile dynamic tree 5, feature draft, default KV plan, back-off",
+                               ours(v, fd, TreeSpec("dynamic", nodes=5), kv_store_factory(plan))),
+            "feat_plan_chain3_raw": ("bpcompile chain 3, feature draft, default KV plan, no back-off",
+                                     ours(v, fd, TreeSpec("chain", length=3), kv_store_factory(plan), backoff=False)),
+        })
     if a.rows != "all":
         keep = a.rows.split(",")
         rows = {k: r for k, r in rows.items() if k in keep or k in ("hf", "fp16")}
@@ -161,8 +201,9 @@ def main() -> None:
         rs = [total[ref][r] / total[k][r] for r in range(a.repeats)]
         return statistics.median(rs), min(rs), max(rs)
 
-    identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps)))
-                 for k in keys if k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "static2_raw", "random")}
+    spec_rows = ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "static2_raw", "random", "feat_chain3", "feat_chain4_raw",
+                 "feat_dyn6_raw", "feat_chain3_raw", "feat_dyn5_raw", "feat_dyn5", "feat_random")
+    identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps))) for k in keys if k in spec_rows}
     n_tok = a.max_tokens * len(ps)
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
              f"weights ({'plain layout' if a.plain_weights else 'oneDNN-packed'} for bpcompile), {a.threads} threads, "
@@ -171,14 +212,20 @@ def main() -> None:
     for k in keys:
         tps = n_tok / statistics.median(total[k])
         rh, rf = ratio(k, "hf"), ratio(k, "fp16")
-        tau = f"{statistics.mean(taus[k]):.2f}" if taus[k] and k not in ("fp16", "plan", "plan_codes") else ""
+        tau = f"{statistics.mean(taus[k]):.2f}" if taus[k] and (k in spec_rows or k.startswith("feat")) else ""
         lines.append(f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
                      f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |")
     if "hf_assisted" in keys:
-        for k in ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "static2_raw"):
-            if k in keys:
+        for k in spec_rows:
+            if k in keys and k not in ("random", "feat_random"):
                 r = ratio(k, "hf_assisted")
                 lines.append(f"\n{rows[k][0]} vs transformers assisted generation: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})")
+    if "plan" in keys:  # speculation over the default plan's cache against verifier-only on the same cache
+        for k in ("feat_plan_dyn5", "feat_plan_chain3_raw"):
+            if k in keys:
+                r = ratio(k, "plan")
+                lines.append(f"\n{rows[k][0]} vs verifier-only with the default KV plan: {r[0]:.2f}x "
+                             f"({r[1]:.2f}..{r[2]:.2f})")
     lines.append("\nGreedy identity with verifier-only (FP16 KV): " +
                  ", ".join(f"{k} {n}/{len(ps)}" for k, n in identical.items()))
     print("\n".join(lines))

@@ -2,8 +2,10 @@
 for token, on held-out chat prompts (FP16 KV; models as engines run them on CPU, oneDNN-packed).
 
     .venv/bin/python scripts/check_smollm2_speculation.py --prompts 50 --max-tokens 64
+    .venv/bin/python scripts/check_smollm2_speculation.py --feature-draft models/smollm2/feature_draft
 
-Prints per tree the prompts whose continuation is identical, the first differing token of the others, and τ
+Prompts: the benchmark's held-out chat prompts (48 fit 256 tokens), topped up with chat requests to continue
+48-token held-out windows. Prints per tree the prompts whose continuation is identical, the first differing token of the others, and τ
 (tokens per verifier step). Exit code 1 if any prompt differs. No timing: scripts/bench_smollm2.py times.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch  # noqa: E402
 from bench_smollm2 import prompts  # noqa: E402  (the benchmark's held-out chat prompts)
 from bpcompile.build.convert import convert_checkpoint  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams  # noqa: E402
-from bpcompile.runtime.model import Llama  # noqa: E402
+from bpcompile.runtime.model import FeatureDraft, Llama  # noqa: E402
 from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
 from bpcompile.runtime.speculative import parse_tree_spec  # noqa: E402
 
@@ -34,8 +36,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--verifier", default=str(ROOT / "models/smollm2/verifier"))
     ap.add_argument("--draft", default=str(ROOT / "models/smollm2/draft"))
+    ap.add_argument("--feature-draft", default=None, metavar="DIR",
+                    help="run the trees with this FeatureDraft (e.g. models/smollm2/feature_draft) instead of --draft")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=256,
+                    help="longest prompt kept, in tokens (the held-out pool has 48 chat prompts within 256)")
     ap.add_argument("--trees", default=TREES, help=f"semicolon-separated tree specs [default: {TREES}]")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
@@ -44,11 +50,24 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
 
-    ps = prompts(AutoTokenizer.from_pretrained(a.verifier), a.prompts, 256, a.seed)
+    tok = AutoTokenizer.from_pretrained(a.verifier)
+    ps = prompts(tok, a.prompts, a.max_prompt, a.seed)
+    if len(ps) < a.prompts:  # the held-out split yields 48 instruction prompts: top up with continuation requests
+        from bpcompile.build import corpus
+
+        need = a.prompts - len(ps)
+        for w in corpus.heldout_prompts(tok, need, 48, a.seed):
+            text = tok.decode(w, skip_special_tokens=True)
+            ps.append(tok.apply_chat_template([{"role": "user", "content": f"Continue this text:\n\n{text}"}],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False))
+        print(f"{a.prompts - need} held-out instruction prompts within {a.max_prompt} tokens, {need} held-out "
+              "continuation prompts", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         convert_checkpoint(a.verifier, Path(tmp) / "v")
         convert_checkpoint(a.draft, Path(tmp) / "d")
         v, d = Llama.from_checkpoint(Path(tmp) / "v"), Llama.from_checkpoint(Path(tmp) / "d")
+    if a.feature_draft:
+        d = FeatureDraft.from_dir(a.feature_draft, v)
     for m in (v, d):
         m.pack_for_cpu()
     fp16, params = float_store_factory(torch.float16), SamplingParams(max_tokens=a.max_tokens)

@@ -180,3 +180,58 @@ def test_tensorrt_llm_kv_cache_scales_in_every_rank_file(tmp_path, pair, fmt, qm
             assert abs(float(s) - want[layer]) <= 1e-5 * want[layer], (rank, float(s), want[layer])
             seen.add(layer)
     assert seen == {0, 1}
+
+
+def _feature_draft(d: Path, verifier: Path, fc_cols: int = 2) -> Path:
+    """A one-layer FeatureDraft (random weights) for `verifier`'s shape; fc_cols != 2 makes fc.weight malformed."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bpcompile.build.hf import read_hf_config
+
+    c = read_hf_config(verifier)
+    H, D, inter = c["hidden_size"], c["head_dim"], 48
+    nq, nkv = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g) / s[-1] ** 0.5  # noqa: E731
+    p = "transformer.layers.0."
+    w = {"fc.weight": r(H, fc_cols * H), "fc.bias": torch.zeros(H), p + "input_layernorm.weight": torch.ones(H),
+         p + "post_layernorm.weight": torch.ones(H), p + "attention.qkv.weight": r(nq + 2 * nkv, H),
+         p + "attention.dense.weight": r(H, nq), p + "mlp.fc.weight": r(inter, H), p + "mlp.gate.weight": r(inter, H),
+         p + "mlp.proj.weight": r(H, inter)}
+    d.mkdir(parents=True)
+    save_file(w, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"architecture": "FeatureDraft", "num_layers": 1,
+                                               "intermediate_size": inter}))
+    return d
+
+
+def test_feature_draft_builds_serves_and_is_refused_where_it_cannot_run(tmp_path, pair):
+    """A FeatureDraft as the recipe's draft: validated against the verifier (shapes from the safetensors headers),
+    copied into the version, loaded by Generator.from_engine, greedy output the verifier's own; a target that
+    cannot run it, or a malformed tensor, is a clear exit-2 error naming what."""
+    from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
+    from bpcompile.runtime.model import FeatureDraft
+
+    fd = _feature_draft(tmp_path / "fd", pair[0])
+    recipe = write_recipe(tmp_path / "r.yaml", pair[0], fd, "speculative: {tree: chain, length: 3}\n")
+    res = CliRunner().invoke(main, ["build", str(recipe), "--json"])
+    assert res.exit_code == 0, res.output
+    vdir = Path(json.loads(res.stdout)["path"])
+    m = json.loads((vdir / "manifest.json").read_text())
+    assert "copy feature draft" in {s["name"] for s in m["stages"]} and "draft/model.safetensors" in m["inputs"]
+    gen = Generator.from_engine(vdir)
+    assert isinstance(gen.draft, FeatureDraft) and gen.tree.kind == "chain"
+    prompts = [[5, 17, 9, 200, 3], list(range(30, 41))]
+    got = [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=16))]
+    plain = Generator.from_engine(vdir, tree=TreeSpec("none"))
+    assert got == [t for t, _ in plain.generate(prompts, SamplingParams(max_tokens=16))]
+    res = CliRunner().invoke(main, ["inspect", str(vdir), "--json"])
+    assert res.exit_code == 0 and "feature-draft" in res.output
+
+    bad = write_recipe(tmp_path / "onnx.yaml", pair[0], fd, "runtime: {onnx: true}\n")
+    res = CliRunner().invoke(main, ["validate", str(bad)])
+    assert res.exit_code == 2 and "feature draft" in res.output and "models.draft.path" in res.output
+    wrong = write_recipe(tmp_path / "w.yaml", pair[0], _feature_draft(tmp_path / "fd3", pair[0], fc_cols=3))
+    res = CliRunner().invoke(main, ["build", str(wrong)])
+    assert res.exit_code == 2 and "'fc.weight'" in res.output and "[64, 192]" in res.output

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import FloatKVStore
-from bpcompile.runtime.model import Llama, ModelConfig, causal_attend, cpu_packing_works
+from bpcompile.runtime.model import FeatureDraft, Llama, ModelConfig, causal_attend, cpu_packing_works
 from bpcompile.commands import generate_text
 from bpcompile.runtime.generator import Generator, SamplingParams, StepOutput, TreeSpec
 from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, paged_attention
@@ -142,6 +143,56 @@ def test_identical_draft_accepts_everything(pair):
     gen = Generator(pair[0], pair[0], TreeSpec("chain", length=4), max_batch_size=2, page_size=4, backoff=False)
     (toks, st), = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=31))  # 1 + 6 steps x 5
     assert toks == reference(pair, [PROMPTS[0]], 31)[0]
+    assert st.verifier_steps == 6 and st.accepted_per_depth == st.proposed_per_depth == [6, 6, 6, 6]
+
+
+def feature_draft(verifier: Llama, block: dict, fc: torch.Tensor, subset=None) -> FeatureDraft:
+    """A one-layer FeatureDraft of `verifier` from a block's weights (layer 0 of `block`) and fc [H, 2H]."""
+    w = {k: v for k, v in block.items() if k.startswith("transformer.layers.0.")}
+    w.update({"fc.weight": fc, "fc.bias": torch.zeros(fc.shape[0])})
+    if subset is not None:
+        w["vocab_subset"] = torch.tensor(subset)
+    return FeatureDraft(replace(verifier.cfg, num_layers=1), w, verifier)
+
+
+@pytest.mark.parametrize("kind", list(TREES))
+def test_feature_draft_speculation_is_identical(pair, kind):
+    """A draft on the verifier's features (random weights): greedy output still the verifier's own, batched
+    over prompts of different lengths, with and without back-off; every page returned."""
+    ref = reference(pair, PROMPTS, 30)
+    H = CFG.hidden_size
+    fc = torch.randn(H, 2 * H, generator=torch.Generator().manual_seed(3)) / H ** 0.5
+    d = feature_draft(pair[0], pair[1].w, fc)
+    for backoff in (False, True):
+        gen = Generator(pair[0], d, TREES[kind], max_batch_size=4, page_size=4, backoff=backoff)
+        assert gen.spec.features and gen.v_exec.features
+        assert [t for t, _ in gen.generate(PROMPTS, SamplingParams(max_tokens=30))] == ref
+        assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity
+    # a draft that may propose only some token ids: its logits elsewhere are -inf, the output still the verifier's
+    sub = feature_draft(pair[0], pair[1].w, fc, subset=list(range(0, CFG.vocab_size, 2)))
+    toks, pos = torch.tensor([[3, 8, 1]]), torch.arange(3)[None]
+    logits, h = sub(toks, pos, feats=torch.randn(1, 3, H))
+    assert logits.shape == (1, 3, CFG.vocab_size) and torch.isinf(logits[..., 1::2]).all() and logits[..., ::2].isfinite().all()
+    gen = Generator(pair[0], sub, TREES[kind], max_batch_size=4, page_size=4, backoff=False)
+    assert [t for t, _ in gen.generate(PROMPTS, SamplingParams(max_tokens=30))] == ref
+    with pytest.raises(ValueError, match="vocab_subset"):
+        feature_draft(pair[0], pair[1].w, fc, subset=[1, 1, 2])
+    with pytest.raises(UserError, match="torch executor"):
+        Generator(pair[0], d, TREES[kind], executor="onnxruntime", graphs="/nonexistent")
+
+
+def test_feature_draft_copy_of_a_one_layer_verifier_accepts_everything():
+    """A one-layer verifier whose final norm is all ones, and a FeatureDraft with its block and fc = [I | 0]:
+    the draft's hidden state is the verifier's before the norm (a positive multiple of it), so its greedy
+    token is the verifier's and every tree token is accepted; chain 4 commits 5 tokens per step."""
+    cfg = replace(CFG, num_layers=1)
+    v = random_llama(cfg, seed=4)
+    v.norm.fill_(1.0)
+    H = cfg.hidden_size
+    d = feature_draft(v, v.w, torch.cat((torch.eye(H), torch.zeros(H, H)), 1))
+    gen = Generator(v, d, TreeSpec("chain", length=4), max_batch_size=2, page_size=4, backoff=False)
+    (toks, st), = gen.generate([PROMPTS[3]], SamplingParams(max_tokens=31))
+    assert toks == plain_greedy(v, PROMPTS[3], 31)
     assert st.verifier_steps == 6 and st.accepted_per_depth == st.proposed_per_depth == [6, 6, 6, 6]
 
 

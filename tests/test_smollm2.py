@@ -1,5 +1,6 @@
-"""The shipped SmolLM2 draft (models/smollm2/draft): a standard checkpoint with the verifier's tokenizer, and
-its recorded held-out agreement with the verifier recomputed through transformers on a sample."""
+"""The shipped SmolLM2 drafts: the standalone one (models/smollm2/draft, a standard checkpoint with the verifier's
+tokenizer, its recorded held-out agreement recomputed through transformers on a sample) and the feature draft
+(models/smollm2/feature_draft, the recipe's: speculation with it greedy-identical and well accepted)."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VERIFIER = ROOT / "models" / "smollm2" / "verifier"
 DRAFT = ROOT / "models" / "smollm2" / "draft"
+FEATURE_DRAFT = ROOT / "models" / "smollm2" / "feature_draft"
+TAU_FLOOR = 1.6  # the feature draft on these three questions (above 1.8 here; a misaligned feature gives about 1.0)
 needs_verifier = pytest.mark.skipif(not (VERIFIER / "config.json").is_file(),
                                     reason="no SmolLM2 verifier checkpoint (bash scripts/setup.sh fetches it)")
 
@@ -26,6 +29,22 @@ def test_shipped_draft_is_small_and_standard():
     cfg = json.loads((DRAFT / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] == 49152
     assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True
+
+
+@needs_verifier
+def test_shipped_feature_draft_is_small_and_fits_the_verifier():
+    """The recipe's feature draft: under 64 MB, its tensors the shapes the verifier implies (the build's own check),
+    and its recorded held-out agreement well above the standalone draft's."""
+    from bpcompile.build import hf
+
+    files = {p.name: p.stat().st_size for p in FEATURE_DRAFT.iterdir()}
+    assert {"config.json", "model.safetensors", "metrics.json"} <= set(files)
+    assert sum(files.values()) <= 64 * 2**20
+    assert hf.is_feature_draft(FEATURE_DRAFT)
+    spec = hf.read_feature_draft(FEATURE_DRAFT, hf.read_hf_config(VERIFIER))
+    assert spec["num_hidden_layers"] == 1 and spec["hidden_size"] == 576
+    m = json.loads((FEATURE_DRAFT / "metrics.json").read_text())
+    assert m["heldout_answers"]["agreement"][0] > 0.55 and m["vocab_subset"] == 4096
 
 
 @needs_verifier
@@ -72,7 +91,7 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
     from transformers import AutoTokenizer
 
     from bpcompile.build.convert import convert_checkpoint
-    from bpcompile.runtime.model import Llama
+    from bpcompile.runtime.model import FeatureDraft, Llama
     from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
     from bpcompile.runtime.paged_kv import float_store_factory
 
@@ -92,6 +111,14 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
         out = gen.generate(prompts, p)
         assert [t for t, _ in out] == ref, tree
         assert sum(s.tau for _, s in out) / len(out) > 1.2, tree
+    # the shipped feature draft reads the verifier's features: identical output, and far more accepted (a
+    # misaligned feature, e.g. one position off, drops tau to about 1)
+    fd = FeatureDraft.from_dir(FEATURE_DRAFT, v)
+    for tree in (TreeSpec("chain", length=4), TreeSpec("dynamic", nodes=6)):
+        gen = Generator(v, fd, tree, max_batch_size=3, max_seq_len=256, kv_store_factory=fp16, backoff=False)
+        out = gen.generate(prompts, p)
+        assert [t for t, _ in out] == ref, tree
+        assert sum(s.tau for _, s in out) / len(out) > TAU_FLOOR, (tree, [s.tau for _, s in out])
 
 
 @needs_verifier
@@ -108,7 +135,7 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
 
     recipe = yaml.safe_load((ROOT / "recipes" / "smollm2.yaml").read_text())
     recipe["models"]["verifier"]["path"] = str(VERIFIER)
-    recipe["models"]["draft"]["path"] = str(DRAFT)
+    recipe["models"]["draft"]["path"] = str(FEATURE_DRAFT)
     recipe["output"] = {"store": str(tmp_path / "engines"), "triton_repo": str(tmp_path / "repo")}
     (tmp_path / "smollm2.yaml").write_text(yaml.safe_dump(recipe))
     res = CliRunner().invoke(main, ["build", str(tmp_path / "smollm2.yaml"), "--json"])
@@ -125,3 +152,9 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     assert res.exit_code == 0, res.output
     gen = json.loads(res.stdout)
     assert gen["chat_template"] and "Paris" in gen["text"], gen["text"]
+    # the recipe's draft is the feature draft: copied into the version, and its trees are accepted
+    assert json.loads((Path(out["path"]) / "draft" / "config.json").read_text())["architecture"] == "FeatureDraft"
+    res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "Explain what a Python generator is.",
+                                    "--max-tokens", "32", "--json"])
+    gen = json.loads(res.stdout)  # a one-line answer may not draft long enough to be accepted; this one is
+    assert gen["tree"] == "dynamic" and gen["accepted_per_depth"][0] > 0, {k: gen[k] for k in gen if k != "tokens"}

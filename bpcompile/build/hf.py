@@ -451,6 +451,53 @@ def check_weights(hf_dir: str | Path, spec: dict, weights: dict) -> None:
             raise UserError(f"tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}", file=str(f))
 
 
+def is_feature_draft(d: str | Path) -> bool:
+    """d/config.json names the FeatureDraft architecture (a draft on the verifier's features; runtime/model.py)."""
+    try:
+        raw = json.loads((Path(d) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and raw.get("architecture") == "FeatureDraft"
+
+
+def read_feature_draft(d: str | Path, verifier: dict) -> dict:
+    """Validate a FeatureDraft directory against the verifier's normalized config (read_hf_config) from its
+    config.json and safetensors headers; return a normalized config in read_hf_config's keys (the verifier's
+    shape with the draft's layers and intermediate size; the embedding and head are the verifier's)."""
+    d = _check_dir(d)
+    path = d / "config.json"
+    raw = json.loads(path.read_text())
+    layers, inter = _int(raw, "num_layers", path), _int(raw, "intermediate_size", path)
+    if layers > 64:
+        raise UserError(f"num_layers {layers}: a feature draft has a few layers", file=str(path), key="num_layers")
+    spec = dict(verifier, architecture="FeatureDraft", num_hidden_layers=layers, intermediate_size=inter,
+                qkv_bias=False, o_bias=False, mlp_bias=False, raw=raw)
+    h, D = verifier["hidden_size"], verifier["head_dim"]
+    nq, nkv = verifier["num_attention_heads"] * D, verifier["num_key_value_heads"] * D
+    want = {"fc.weight": (h, 2 * h), "fc.bias": (h,)}
+    for i in range(layers):
+        p = f"transformer.layers.{i}."
+        want.update({p + "input_layernorm.weight": (h,), p + "post_layernorm.weight": (h,),
+                     p + "attention.qkv.weight": (nq + 2 * nkv, h), p + "attention.dense.weight": (h, nq),
+                     p + "mlp.fc.weight": (inter, h), p + "mlp.gate.weight": (inter, h), p + "mlp.proj.weight": (h, inter)})
+    have = list_weights(d)
+    for name, shape in want.items():
+        if name not in have:
+            raise UserError(f"missing tensor {name!r} (a FeatureDraft for a verifier of hidden size {h})", file=str(d))
+        if tuple(have[name][2]) != shape:
+            raise UserError(f"tensor {name!r} has shape {list(have[name][2])}, the verifier implies {list(shape)}",
+                            file=str(have[name][0]))
+    if "vocab_subset" in have:  # the token ids it may propose (FeatureDraft checks their values at load)
+        f, dt, shape = have.pop("vocab_subset")
+        if dt != torch.int64 or len(shape) != 1 or not 0 < shape[0] <= verifier["vocab_size"]:
+            raise UserError(f"tensor 'vocab_subset' must be int64 [N] with 0 < N <= {verifier['vocab_size']}, got "
+                            f"{dt} {list(shape)}", file=str(f))
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise UserError(f"unexpected tensors {extra[:3]} in a FeatureDraft with {layers} layers", file=str(d))
+    return spec
+
+
 def check_tokenizer(d: str | Path) -> None:
     """UserError unless d/tokenizer.json is a regular file that the `tokenizers` library loads (serving
     tokenizes with it; a JSON file of some other kind would otherwise fail only at serve time)."""

@@ -217,7 +217,13 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         rep.run("convert verifier", lambda: convert("verifier", loaded.verifier_dir, pp))
         fault_point("convert")
         # The draft is small: it keeps the recipe's tp (so it can sit on the verifier's GPUs) but no pp.
-        rep.run("convert draft", lambda: convert("draft", loaded.draft_dir, 1))
+        from bpcompile.build import hf
+
+        if hf.is_feature_draft(loaded.draft_dir):  # runs as stored (the runtime casts to the verifier's dtype)
+            rep.run("copy feature draft", lambda: _copy_feature_draft(loaded.draft_dir, stage / "draft",
+                                                                          loaded.verifier_dir))
+        else:
+            rep.run("convert draft", lambda: convert("draft", loaded.draft_dir, 1))
         rep.run("tokenizer", lambda: _copy_tokenizer(loaded.verifier_dir, stage / "tokenizer"))
 
         fault_point("calibrate")
@@ -240,6 +246,21 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         rep.log(f"a concurrent build published the same inputs first: {version.path}")
     repo = _emit_if_wanted(loaded, store, version, rep, created=created)
     return BuildResult(r.name, version.version, version.path, created, build_id, rep.stages, repo)
+
+
+def _copy_feature_draft(src: Path, dst: Path, verifier_dir: Path) -> dict:
+    """config.json and model.safetensors of a FeatureDraft, validated again (shapes against the verifier's
+    config, from the strictly checked safetensors headers) and copied."""
+    from bpcompile.build import hf
+
+    # again: the files may have changed since validation
+    spec = hf.read_feature_draft(src, hf.read_hf_config(verifier_dir))
+    dst.mkdir(parents=True)
+    n = 0
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy2(src / f, dst / f)
+        n += (dst / f).stat().st_size
+    return {"detail": f"FeatureDraft, {spec['num_hidden_layers']} layer(s), {n / 1e6:.1f} MB", "bytes": n}
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> dict:

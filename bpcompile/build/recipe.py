@@ -236,8 +236,21 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
 
     configs = {}
     tokenizers_ok = True
+    feature_draft = hf.is_feature_draft(loaded.draft_dir)
     for role in ("verifier", "draft"):
         d = getattr(loaded, f"{role}_dir")
+        if role == "draft" and feature_draft:  # no tokenizer of its own: it reads the verifier's features
+            where = ("models", "draft", "path")
+            if recipe.target != "native" or recipe.runtime.wants_onnx or recipe.parallel.tp != 1:
+                problem(where, "a feature draft (FeatureDraft) runs on the native target's torch executor at tp 1 "
+                        "only (not in the ONNX graphs, TensorRT or TensorRT-LLM): use a standalone draft "
+                        "checkpoint for this recipe")
+            if "verifier" in configs:
+                try:
+                    configs[role] = hf.read_feature_draft(d, configs["verifier"])
+                except UserError as e:
+                    problem(where, str(e))
+            continue
         try:
             configs[role] = hf.read_hf_config(d)
             # every header validated and every tensor the config implies present: headers only, instant
@@ -271,7 +284,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         gs = recipe.kv_cache.group_size
         if recipe.kv_cache.format == "int4-fp8-outlier" and hd % gs:
             problem(("kv_cache", "group_size"), f"group_size={gs} must divide the verifier's head size {hd}")
-        if "draft" in configs and tokenizers_ok:
+        if "draft" in configs and tokenizers_ok and not feature_draft:
             ok, why = hf.tokenizers_equal(loaded.verifier_dir, loaded.draft_dir)
             if not ok:
                 problem(("models", "draft", "path"),

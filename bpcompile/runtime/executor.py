@@ -23,6 +23,10 @@ class Executor:
         self.model, self.kv, self.device, self.lookahead, self.role = model, kv, device, lookahead, role
         self.forwards = 0  # batched forwards after prefill (benchmarks read these)
         self.peers = None  # runtime.tp.Peers on rank 0 of a tensor-parallel group
+        # features: the verifier of a FeatureDraft keeps each forward's final hidden states in `hidden`
+        # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
+        self.features = False
+        self.hidden: Optional[torch.Tensor] = None
 
     def _call(self, name: str, *args):
         if self.peers is not None:
@@ -32,10 +36,11 @@ class Executor:
     def _dense_width(self) -> int:
         return self.kv.dense.k.shape[3] if self.kv.dense is not None else 0
 
-    def prefill(self, reqs: list[Request], last_logits: bool, all_logits: bool = False) -> Optional[torch.Tensor]:
+    def prefill(self, reqs: list[Request], last_logits: bool, all_logits: bool = False,
+                feats: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Prompts through the model (right-padded, causal over the prompt alone), K/V into the cache;
         the logits of each prompt's last token [B, V] when last_logits, of every position [B, T, V] when
-        all_logits."""
+        all_logits. feats [B, T, hidden]: a FeatureDraft's input features."""
         dev, kv = self.device, self.kv
         lens = [len(r.prompt) for r in reqs]
         B, T = len(reqs), max(lens)
@@ -50,7 +55,7 @@ class Executor:
                                 for r in reqs], device=dev).view(-1), torch.arange(T, device=dev).repeat(B))
         same = len(set(lens)) == 1
         logits = self._call("run_prefill", tok, flat, at, not all_logits and (same or not last_logits),
-                            self._dense_width())
+                            self._dense_width(), *(() if feats is None else (feats,)))
         if all_logits:
             return logits
         if not last_logits:
@@ -58,7 +63,7 @@ class Executor:
         return logits[:, -1] if same else logits[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]
 
     def run_prefill(self, tok: torch.Tensor, flat: torch.Tensor, at: Optional[tuple], last_only: bool,
-                    dense_width: int) -> torch.Tensor:
+                    dense_width: int, feats: Optional[torch.Tensor] = None) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
         if kv.dense is not None:
             kv.dense.reserve(dense_width)
@@ -69,15 +74,27 @@ class Executor:
             kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
             return causal_attend(q, k, v)
 
-        return self.model(tok, None, attend=attend, last_only=last_only)
+        return self._model(tok, None, attend, feats, last_only=last_only)
+
+    def _model(self, tok, pos, attend, feats, last_only: bool = False, rows=None) -> torch.Tensor:
+        """The model's logits; its final hidden states go to self.hidden where it reads or feeds features."""
+        if feats is not None:
+            logits, self.hidden = self.model(tok, pos, attend=attend, last_only=last_only, feats=feats, rows=rows)
+        elif self.features:
+            logits, self.hidden = self.model(tok, pos, attend=attend, last_only=last_only, return_hidden=True)
+        else:
+            return self.model(tok, pos, attend=attend, last_only=last_only)
+        return logits
 
     def forward(self, reqs: list[Request], tokens: list[list[int]], positions: list[list[int]],
                 writes: list[list[int]], ctx: list[int], tree_lens: list[int],
-                mask_rows: Optional[list[list[int]]] = None) -> torch.Tensor:
+                mask_rows: Optional[list[list[int]]] = None, feats: Optional[torch.Tensor] = None,
+                logit_rows: Optional[list[int]] = None) -> torch.Tensor:
         """One batched forward of new tokens over the paged cache -> logits [B, T, V].
 
         writes: logical cache index per new token; ctx/tree_lens/mask_rows: see AttnBatch (mask rows as
-        Python-int bit rows over the tree region)."""
+        Python-int bit rows over the tree region); feats [B, T, hidden]: a FeatureDraft's input features;
+        logit_rows: with feats, only row logit_rows[b] of each sequence gets logits ([B, 1, V])."""
         dev, kv, model = self.device, self.kv, self.model
         B, T = len(reqs), max(len(t) for t in tokens)
         pad = lambda xs, v=0: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
@@ -111,7 +128,9 @@ class Executor:
                                        torch.tensor(tree_lens, device=dev),
                                        torch.tensor([len(t) for t in tokens], device=dev), mask, kv.ps))
         self.forwards += 1
-        return self._call("run_forward", tok, pos, flat, attn, self._dense_width())
+        lrows = None if logit_rows is None else torch.tensor(logit_rows, device=dev)
+        return self._call("run_forward", tok, pos, flat, attn, self._dense_width(),
+                          *(() if feats is None else (feats, lrows)))
 
     def _exact_last(self, row: int, N: int) -> tuple:
         """Exact columns for one query at position N - 1 over entries [0, N) (the decode step): it reads the exact
@@ -151,7 +170,8 @@ class Executor:
         return visible & ~ex, (torch.tensor(rows, device=dev), rec.column(ec), hidden_e, None)
 
     def run_forward(self, tok: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor, attn: tuple,
-                    dense_width: int) -> torch.Tensor:
+                    dense_width: int, feats: Optional[torch.Tensor] = None,
+                    logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
         if attn[0] == "dense":
             _, at, rows, N, hidden, exact = attn
@@ -174,7 +194,7 @@ class Executor:
                 kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
-        return self.model(tok, pos, attend=attend)
+        return self._model(tok, pos, attend, feats, rows=logit_rows)
 
     def move(self, moves: "Moves") -> None:
         """Apply the collected KV moves (accepted tree entries to their committed slots)."""

@@ -11,6 +11,7 @@ The in-flight loop that serves requests from other threads is inflight.py.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -23,7 +24,7 @@ import torch
 from bpcompile.core.engine import EXECUTORS, EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.executor import Executor
-from bpcompile.runtime.model import Llama
+from bpcompile.runtime.model import FeatureDraft, Llama
 from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, RecentKV, cache_pages,
                                         float_store_factory, kernels_for)
 from bpcompile.runtime.request import (Request, RequestStats, SamplingParams, StepOutput, apply_penalties,
@@ -62,6 +63,8 @@ class Generator:
         self.tree = tree or TreeSpec("none")
         if self.tree.kind != "none" and draft is None:
             raise UserError(f"tree speculation ({self.tree.kind}) needs a draft model")
+        if draft is not None and getattr(draft, "reads_features", False) and executor != "torch":
+            raise UserError("a feature draft (FeatureDraft) runs with the torch executor only", key="executor")
         if draft is not None and draft.cfg.vocab_size != verifier.cfg.vocab_size:
             raise UserError(f"draft vocabulary {draft.cfg.vocab_size} != verifier vocabulary {verifier.cfg.vocab_size}")
         if max_batch_size < 1 or max_seq_len < 2 or page_size < 1:
@@ -170,7 +173,12 @@ class Generator:
             load = (lambda role: Llama.from_rank(d / role, _rank, tp, group, dtype=None)) if tp > 1 else \
                 (lambda role: Llama.from_checkpoint(d / role, dtype=None))
             verifier = load("verifier")
-            draft = load("draft") if tree.kind != "none" else None
+            draft = None
+            if tree.kind != "none":
+                feature = json.loads((d / "draft" / "config.json").read_text()).get("architecture") == "FeatureDraft"
+                if feature and tp > 1:
+                    raise UserError(f"{d}: its feature draft runs at tp 1", key="tp")
+                draft = FeatureDraft.from_dir(d / "draft", verifier) if feature else load("draft")
             if pack and executor == "torch" and torch.device(device).type == "cpu":
                 for m in (verifier, draft):  # oneDNN-packed weights: tree verifies at near one-token cost
                     if m is not None:
@@ -323,7 +331,13 @@ class Generator:
             keep_logits(r, last[b:b + 1], [t])
         t1 = time.perf_counter()
         if self.d_exec is not None:
-            self.d_exec.prefill(reqs, False)
+            feats = None
+            if self.spec.features:  # the row of prompt token i reads the verifier's feature at i - 1
+                h = self.v_exec.hidden
+                feats = torch.cat((h.new_zeros(h.shape[0], 1, h.shape[2]), h[:, :-1]), 1)
+                for b, r in enumerate(reqs):
+                    r.feats = h[b, len(r.prompt) - 1:len(r.prompt)].clone()
+            self.d_exec.prefill(reqs, False, feats=feats)
         t2 = time.perf_counter()
         outs = []
         for r, t in zip(reqs, first):

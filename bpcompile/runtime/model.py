@@ -263,6 +263,13 @@ class Block(torch.nn.Module):
         return h + self.down(F.silu(gate) * up)
 
 
+def _pack_linears(module: torch.nn.Module) -> None:
+    for mod in list(module.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is _Linear:
+                setattr(mod, name, PackedLinear(child))
+
+
 class Llama(torch.nn.Module):
     """A module tree (embedding, decoder blocks, final norm, head) built from full (unsharded) weights under
     TensorRT-LLM tensor names. `w` gives them back under those names."""
@@ -322,10 +329,7 @@ class Llama(torch.nn.Module):
             return False
         if self.embedding is None:
             self.embedding = self.head.weight.contiguous()
-        for mod in list(self.modules()):
-            for name, child in list(mod.named_children()):
-                if type(child) is _Linear:
-                    setattr(mod, name, PackedLinear(child))
+        _pack_linears(self)
         return True
 
     @property
@@ -373,8 +377,10 @@ class Llama(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                attend: Optional[AttendFn] = None, last_only: bool = False) -> torch.Tensor:
-        """tokens, positions: [B,T] int64 -> logits [B,T,vocab] (float32)."""
+                attend: Optional[AttendFn] = None, last_only: bool = False, return_hidden: bool = False):
+        """tokens, positions: [B,T] int64 -> logits [B,T,vocab] (float32); with return_hidden also the final
+        hidden states [B,T,hidden] (after the final norm, every position even when last_only): the features a
+        FeatureDraft reads."""
         c = self.cfg
         B, T = tokens.shape
         if positions is None:
@@ -383,7 +389,95 @@ class Llama(torch.nn.Module):
         h = F.embedding(tokens, self.embed)
         for i, blk in enumerate(self.layers):
             h = blk(h, cos, sin, i, attend)
-        if last_only:
-            h = h[:, -1:]
-        logits = self.head(rms_norm(h, self.norm, c.norm_eps))
-        return logits[..., : c.vocab_size].float()
+        hn = rms_norm(h if return_hidden or not last_only else h[:, -1:], self.norm, c.norm_eps)
+        logits = self.head(hn[:, -1:] if last_only else hn)[..., : c.vocab_size].float()
+        return (logits, hn) if return_hidden else logits
+
+
+class FeatureDraft(torch.nn.Module):
+    """A draft that reads the verifier's features (the EAGLE idea): the row of token x_i at position i gets
+    fc([embedding(x_i), f_{i-1}]), where f_{i-1} is the verifier's final hidden state (after its norm) at
+    position i-1, through a few decoder layers; the output predicts f_i, and the verifier's own head turns it
+    into logits for x_{i+1}. Deeper tree nodes read the draft's own predicted feature of their parent. It
+    shares the verifier's embedding, head and rotary tables (kept as a plain reference, not a submodule: moving
+    or packing the verifier covers them), so it costs a few layers plus the verifier's head per row.
+
+    On disk (`scripts/train_smollm2_feature_draft.py` writes it): `config.json` ({"architecture":
+    "FeatureDraft", "num_layers", "intermediate_size"}; the rest is the verifier's) and `model.safetensors`
+    (`fc.weight` [hidden, 2*hidden], `fc.bias`, `transformer.layers.{i}.*` under TensorRT-LLM names, and
+    optionally `vocab_subset` [N] int64: the token ids it may propose)."""
+
+    reads_features = True
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], verifier: Llama,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.fc = _Linear(w["fc.weight"], w.get("fc.bias"))
+        self.layers = torch.nn.ModuleList(Block(cfg, w, f"transformer.layers.{i}.") for i in range(cfg.num_layers))
+        object.__setattr__(self, "verifier", verifier)
+        # vocab_subset: the draft proposes only these token ids (the verifier's head rows for them, copied): a
+        # 49152-wide head would cost more than the layer; the verifier still checks every token exactly
+        ids = weights.get("vocab_subset")
+        if ids is not None:
+            ids = ids.to(torch.int64)
+            if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size \
+                    or len(ids.unique()) != len(ids):
+                raise ValueError(f"vocab_subset must be distinct token ids in [0, {cfg.vocab_size})")
+            self.register_buffer("vocab_subset", ids)
+            self.sub_head = _Linear(verifier.lm_head[: cfg.vocab_size][ids].to(dtype))
+        else:
+            self.vocab_subset = self.sub_head = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, verifier: Llama) -> "FeatureDraft":
+        from safetensors.torch import load_file  # the library's own header and offset checks
+
+        p = Path(path)
+        meta = json.loads((p / "config.json").read_text())
+        if meta.get("architecture") != "FeatureDraft":
+            raise ValueError(f"{p / 'config.json'}: architecture {meta.get('architecture')!r}, expected FeatureDraft")
+        cfg = replace(verifier.cfg, num_layers=int(meta["num_layers"]),
+                      intermediate_size=int(meta["intermediate_size"]))
+        return cls(cfg, load_file(p / "model.safetensors"), verifier, verifier.dtype)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.dtype = self.layers[0].attn_norm.dtype  # a buffer packing leaves alone (as Llama reads its norm)
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].attn_norm.device
+
+    def pack_for_cpu(self) -> bool:
+        """As Llama.pack_for_cpu, for the draft's own linears (the head is the verifier's)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
+            return False
+        _pack_linears(self)
+        return True
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                attend: Optional[AttendFn] = None, last_only: bool = False,
+                feats: Optional[torch.Tensor] = None,
+                rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [B,T], feats [B,T,hidden] (the feature before each token) -> (logits [B,T,vocab]
+        float32, -inf outside vocab_subset; predicted features [B,T,hidden])."""
+        v = self.verifier
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        cos, sin = v.rope(positions)
+        h = self.fc(torch.cat((F.embedding(tokens, v.embed), feats.to(self.dtype)), -1))
+        for i, blk in enumerate(self.layers):
+            h = blk(h, cos, sin, i, attend)
+        x = h[:, -1:] if last_only else h
+        if rows is not None:  # only these rows' logits: [B] row index per sequence -> logits [B, 1, V]
+            x = h[torch.arange(B, device=h.device), rows][:, None]
+        if self.sub_head is None:
+            return v.head(x)[..., : self.cfg.vocab_size].float(), h
+        logits = x.new_full((*x.shape[:2], self.cfg.vocab_size), float("-inf"), dtype=torch.float32)
+        logits[..., self.vocab_subset] = self.sub_head(x).float()
+        return logits, h

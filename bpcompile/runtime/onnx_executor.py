@@ -160,7 +160,8 @@ class OnnxExecutor(Executor):
             t.copy_(torch.from_numpy(new))
         return torch.from_numpy(outs[0])
 
-    def prefill(self, reqs: list[Request], last_logits: bool) -> Optional[torch.Tensor]:
+    def prefill(self, reqs: list[Request], last_logits: bool, feats: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        assert feats is None, "feature drafts run on the torch executor (the Generator refuses them here)"
         kv = self.kv
         lens = [len(r.prompt) for r in reqs]
         T = max(lens)
@@ -175,7 +176,9 @@ class OnnxExecutor(Executor):
 
     def forward(self, reqs: list[Request], tokens: list[list[int]], positions: list[list[int]],
                 writes: list[list[int]], ctx: list[int], tree_lens: list[int],
-                mask_rows: Optional[list[list[int]]] = None) -> torch.Tensor:
+                mask_rows: Optional[list[list[int]]] = None, feats: Optional[torch.Tensor] = None,
+                logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+        assert feats is None and logit_rows is None, "feature drafts run on the torch executor"
         kv = self.kv
         T = max(len(t) for t in tokens)
         pad = lambda xs, v=0: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731

@@ -73,6 +73,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)  # of the generated tokens (params.logprobs)
     context_logits: Optional[torch.Tensor] = None  # params.context_logits: until the first output takes them
     generation_logits: list[torch.Tensor] = field(default_factory=list)  # rows of the generated tokens (CPU)
+    # a FeatureDraft's pending inputs: the verifier's features at positions [d_len - 1, v_len) [n, hidden]
+    feats: Optional[torch.Tensor] = None
 
 
 def apply_stops(r: Request, toks: list[int]) -> StepOutput:

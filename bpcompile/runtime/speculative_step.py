@@ -11,11 +11,18 @@ Sequence state, per request (T = all committed tokens: prompt + generated):
 Tree tokens are written to the logical slots right after the context (verifier: v_len + node;
 draft: d_len + node - 1), so after acceptance the accepted path is moved to consecutive slots and the pages
 past the new length are freed.
+
+A FeatureDraft (model.py) also reads the verifier's final hidden states: the row of token T[i] gets the feature
+at position i - 1. The verifier keeps its features of the accepted path in `Request.feats`, the draft's
+catch-up consumes them, and tree nodes read their parent row's predicted feature. The draft's K/V of accepted
+nodes came from predicted features, so none is kept: the catch-up reruns the accepted tokens on true ones.
 """
 from __future__ import annotations
 
 import time
 from typing import Optional
+
+import torch
 
 from bpcompile.runtime.executor import Executor, Moves
 from bpcompile.runtime.request import Request, apply_penalties, keep_logits, penalized
@@ -30,6 +37,8 @@ class SpeculativeStep:
         self.calib: Optional[AcceptanceCalibration] = AcceptanceCalibration()
         self.accept_rule: AcceptRule = residual_rule  # injectable (tests prove a wrong rule is caught)
         self.backoff: Optional[BackOff] = BackOff(tree) if backoff and draft is not None else None
+        self.features = draft is not None and getattr(draft.model, "reads_features", False)
+        verifier.features = self.features
 
     def run(self, reqs: list[Request]) -> list[list[int]]:
         """Tokens committed per request this step (the accepted drafts and the verifier's own token); both
@@ -66,29 +75,43 @@ class SpeculativeStep:
         pend = [r.tokens[r.d_len:] for r in reqs]
         for r, p in zip(reqs, pend):
             draft.kv.ensure(r.id, r.d_len + len(p) + draft.lookahead)
+        feats = None
+        if self.features:
+            feats = pad_rows([r.feats for r in reqs], max(map(len, pend)))
+            for r in reqs:
+                r.feats = None
         logits = draft.forward(reqs, pend,
                                [list(range(r.d_len, r.d_len + len(p))) for r, p in zip(reqs, pend)],
                                [list(range(r.d_len, r.d_len + len(p))) for r, p in zip(reqs, pend)],
-                               [r.d_len for r in reqs], [len(p) for p in pend])
-        todo = {}
+                               [r.d_len for r in reqs], [len(p) for p in pend], feats=feats,
+                               logit_rows=[len(p) - 1 for p in pend] if self.features else None)
+        todo, fe = {}, {}  # fe[b][node]: the draft's predicted feature at that node (its children's input)
         for b, (r, p) in enumerate(zip(reqs, pend)):
             r.d_len += len(p)
-            todo[b] = builders[b].expand({0: logits[b, len(p) - 1]})
+            todo[b] = builders[b].expand({0: logits[b, 0 if self.features else len(p) - 1]})
+            if self.features:
+                fe[b] = {0: draft.hidden[b, len(p) - 1]}
         # Rounds: draft tree node n (n >= 1) lives at draft logical slot d_len + n - 1; its mask row is the
         # verifier row shifted by one (node 0 is committed context for the draft).
         while any(todo.values()):
             bs = [b for b, nodes in todo.items() if nodes]
             sub = [reqs[b] for b in bs]
             nodes = [todo[b] for b in bs]
+            feats = None
+            if self.features:
+                feats = pad_rows([torch.stack([fe[b][trees[b].parents[n]] for n in ns]) for b, ns in zip(bs, nodes)],
+                                 max(map(len, nodes)))
             logits = draft.forward(
                 sub, [[trees[b].tokens[n] for n in ns] for b, ns in zip(bs, nodes)],
                 [[r.d_len - 1 + trees[b].depths[n] for n in ns] for b, r, ns in zip(bs, sub, nodes)],
                 [[r.d_len + n - 1 for n in ns] for r, ns in zip(sub, nodes)],
                 [r.d_len for r in sub], [len(trees[b]) - 1 for b in bs],
-                [[trees[b].bits[n] >> 1 for n in ns] for b, ns in zip(bs, nodes)])
+                [[trees[b].bits[n] >> 1 for n in ns] for b, ns in zip(bs, nodes)], feats=feats)
             todo = {}
             for k, (b, ns) in enumerate(zip(bs, nodes)):
                 trees[b].forwarded.update(ns)
+                if self.features:
+                    fe[b].update({n: draft.hidden[k, j] for j, n in enumerate(ns)})
                 todo[b] = builders[b].expand({n: logits[k, j] for j, n in enumerate(ns)})
 
     def _verify(self, reqs: list[Request], trees: list[DraftTree]) -> list[tuple[list[int], int]]:
@@ -120,6 +143,9 @@ class SpeculativeStep:
             else:
                 results.append(verify_sampling(tree, lambda i, b=b, r=r: r.sampling.probs(logits[b, i]),
                                                r.sampling.rng, self.accept_rule))
+            if self.features:  # the features of the accepted path: the draft's inputs for the tokens they predicted
+                new = self.verifier.hidden[b, results[-1][0]]
+                r.feats = new if r.feats is None else torch.cat((r.feats, new))
             if r.params.logprobs or r.params.generation_logits:  # node path[j] predicted the j-th committed
                 path, bonus = results[-1]  # token (the last one: the bonus)
                 keep_logits(r, logits[b, path], [tree.tokens[n] for n in path[1:]] + [bonus])
@@ -135,7 +161,7 @@ class SpeculativeStep:
                 if n != j:
                     vmove.add(r.id, r.v_len + n, r.v_len + j)
             r.v_len += len(path)
-            if bld is not None:
+            if bld is not None and not self.features:
                 m = 0  # accepted draft nodes the draft has run: their KV is kept, the rest is run next step
                 for j, n in enumerate(path[1:], 1):
                     if n not in tree.forwarded:
@@ -164,3 +190,11 @@ class SpeculativeStep:
             if self.draft is not None:
                 self.draft.kv.truncate(r.id, r.d_len)
         return committed
+
+
+def pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Per-request feature rows [n_b, hidden] -> [B, T, hidden], zero-padded past each n_b."""
+    out = rows[0].new_zeros(len(rows), T, rows[0].shape[-1])
+    for b, x in enumerate(rows):
+        out[b, :len(x)] = x
+    return out
