@@ -56,6 +56,21 @@ def test_70b_recipe_at_tp8_on_h200():
         4.8e12 / (2 * verifier + 16384 * 11376))
 
 
+
+def test_feature_draft_counts_only_its_own_weights():
+    """A FeatureDraft reads the verifier's embedding (and head, without a vocab_subset): its weights are fc, its
+    layers and its own head rows, nothing of a vocabulary-sized embedding."""
+    r = Recipe.model_validate({**_recipe_70b(), "models": {"verifier": {"path": "v", "dtype": "bfloat16"},
+                                                           "draft": {"path": "d", "dtype": "bfloat16"}}})
+    v = _spec(L70)
+    fd = dict(v, architecture="FeatureDraft", num_hidden_layers=1, intermediate_size=8192, head_rows=32000)
+    alone = plan(r, v, None, DEVICES["h200"])["weights_bytes"]
+    with_fd = plan(r, v, fd, DEVICES["h200"])["weights_bytes"]
+    # on one of 8 ranks: fc 8192*16384 + 8192; one layer 2*8192 + (1024 + 2*128)*8192 + 8192*1024 + 3*8192*1024;
+    # the head rows 32000*8192 (replicated: the draft's own head is not split)
+    assert with_fd - alone == 2 * (134_225_920 + 44_056_576 + 262_144_000)
+
+
 def test_exact_entries_add_their_copies_per_sequence():
     """With an FP16 sink and window each sequence holds sink + window + one tree of FP16 K/V per unit: on the 70B
     recipe at tp 8, 80 layers x 1 KV head x K|V x 128 x 2 bytes x (1 + 16 + 6) per sequence, 64 sequences."""

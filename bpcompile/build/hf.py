@@ -471,7 +471,7 @@ def read_feature_draft(d: str | Path, verifier: dict) -> dict:
     if layers > 64:
         raise UserError(f"num_layers {layers}: a feature draft has a few layers", file=str(path), key="num_layers")
     spec = dict(verifier, architecture="FeatureDraft", num_hidden_layers=layers, intermediate_size=inter,
-                qkv_bias=False, o_bias=False, mlp_bias=False, raw=raw)
+                qkv_bias=False, o_bias=False, mlp_bias=False, raw=raw, head_rows=0)
     h, D = verifier["hidden_size"], verifier["head_dim"]
     nq, nkv = verifier["num_attention_heads"] * D, verifier["num_key_value_heads"] * D
     want = {"fc.weight": (h, 2 * h), "fc.bias": (h,)}
@@ -492,6 +492,7 @@ def read_feature_draft(d: str | Path, verifier: dict) -> dict:
         if dt != torch.int64 or len(shape) != 1 or not 0 < shape[0] <= verifier["vocab_size"]:
             raise UserError(f"tensor 'vocab_subset' must be int64 [N] with 0 < N <= {verifier['vocab_size']}, got "
                             f"{dt} {list(shape)}", file=str(f))
+        spec["head_rows"] = shape[0]  # its own head: the verifier's rows for these ids
     extra = sorted(set(have) - set(want))
     if extra:
         raise UserError(f"unexpected tensors {extra[:3]} in a FeatureDraft with {layers} layers", file=str(d))

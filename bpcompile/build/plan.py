@@ -93,6 +93,8 @@ def weight_params_per_rank(cfg: dict, tp: int) -> int:
     layer = 2 * h + (hq + 2 * hkv) * h + h * hq + 3 * h * (I // tp)
     layer += (hq + 2 * hkv) * cfg.get("qkv_bias", False) + h * cfg.get("o_bias", False)
     layer += (2 * (I // tp) + h) * cfg.get("mlp_bias", False)
+    if cfg.get("architecture") == "FeatureDraft":  # fc over [embedding, feature] and its own head rows, if
+        return 2 * h * h + h + L * layer + cfg.get("head_rows", 0) * h  # any; it reads the verifier's embedding
     lm_head = -(-V // tp) * h  # written (and split) even when tied
     return V * h + L * layer + h + lm_head
 
