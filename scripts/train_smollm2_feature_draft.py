@@ -1,7 +1,8 @@
 """Train the SmolLM2 feature draft (models/smollm2/feature_draft): one decoder layer on the verifier's features.
 
-    .venv/bin/python scripts/train_smollm2_feature_draft.py   # ~45 min on 2 CPU cores: 13 for the verifier's
-                                                              # answers and features (cached), 30 for 20 epochs
+    .venv/bin/python scripts/train_smollm2_feature_draft.py   # ~33 min on 2 CPU cores (AMD Zen 5): 17 for the
+                                                              # verifier's answers and features (cached), 16 for
+                                                              # 16 epochs; about twice that on an older AVX2 core
     .venv/bin/python scripts/train_smollm2_feature_draft.py --quick --out /tmp/fd   # smoke run
 
 What it is (`bpcompile.runtime.model.FeatureDraft`, the EAGLE idea): the row of token x_i reads
@@ -10,12 +11,15 @@ layer of the verifier's shape and predicts f_i; the verifier's own (tied) head t
 A standalone draft has to redo the verifier's understanding of the context from tokens alone (the shipped
 2-layer draft agrees with it on 25-28% of held-out tokens); this one starts from it.
 
-Training data are the verifier's own greedy answers (through its chat template) to instruction prompts built from
-the train split of the builtin pydoc corpus, plus that split in 256-token windows: what it will draft for. The
+Training data are the verifier's own answers (through its chat template) to the ~510 instruction prompts built
+from the train split of the builtin pydoc corpus, greedy and `--sampled` more at `--temperature` (more varied text;
+the targets at every position are still the verifier's own features and distribution), plus that split in
+256-token windows: what it will draft for. The
 verifier's features and answers are computed once (fp32) and cached under .cache/ (git-ignored). Loss per row:
 smooth-L1 between the predicted and the true feature plus `--ce` x cross-entropy of the head's distribution
-against the verifier's (soft targets, on 512 random rows per batch: the 49152-wide head is most of the cost); the input features get uniform noise (±0.1) so that deeper tree nodes, which
-read the draft's own predictions, stay in range.
+against the verifier's over the proposable ids (soft targets, on 1024 random rows per batch: the head is most of
+the cost); the input features get uniform noise (±0.1) so that deeper tree nodes, which read the draft's own
+predictions, stay in range.
 
 Held-out figures (<out>/metrics.json), on the verifier's greedy answers to 48 prompts from the held-out split:
 top-1 agreement of the first drafted token (the true features in), and the conditional agreement at depth 2 and 3
@@ -47,8 +51,9 @@ log, cached = distill.log, distill.cached
 
 VERIFIER = ROOT / "models" / "smollm2" / "verifier"
 OUT = ROOT / "models" / "smollm2" / "feature_draft"
-HP = dict(epochs=20, batch=8, lr=1e-3, min_lr_frac=0.05, warmup=30, clip=0.5, noise=0.2, ce_rows=1024)
-SIZES = dict(train_prompts=384, heldout_prompts=48, answer_tokens=96)
+HP = dict(epochs=16, batch=8, lr=1e-3, min_lr_frac=0.05, warmup=30, clip=0.5, noise=0.2, ce_rows=1024)
+SIZES = dict(train_prompts=512, heldout_prompts=48, answer_tokens=96)
+SAMPLED = 1
 QUICK = dict(epochs=1, train_prompts=32, heldout_prompts=8, answer_tokens=32)
 
 
@@ -103,6 +108,28 @@ class Trainable(torch.nn.Module):
                       p + "mlp.fc.weight": b.gate_up.weight[:self.inter], p + "mlp.gate.weight": b.gate_up.weight[self.inter:],
                       p + "mlp.proj.weight": b.down.weight})
         return {k: v.detach().float().contiguous() for k, v in w.items()}
+
+
+@torch.no_grad()
+def sampled_answers(verifier, tok, prompts: list[str], max_new: int, batch: int, temperature: float,
+                    seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of the verifier's answers sampled at `temperature` (ends at its end-of-turn)."""
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    torch.manual_seed(seed)
+    out = []
+    for i in range(0, len(prompts), batch):
+        ps = [distill.chat_ids(tok, p) for p in prompts[i:i + batch]]
+        L = max(map(len, ps))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps])
+        g = verifier.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True,
+                              temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad)
+        for b, p in enumerate(ps):
+            ans = g[b, L:].tolist()
+            out.append((p, ans[:ans.index(eos) + 1] if eos in ans else ans))
+        log(f"  sampled answers {min(i + batch, len(prompts))}/{len(prompts)}")
+    return out
 
 
 @torch.no_grad()
@@ -163,6 +190,12 @@ def main() -> None:
                     help="token ids the draft may propose (0: all): the training text's tokens by count, then the "
                          "lowest unseen ids")
     ap.add_argument("--epochs", type=int, default=HP["epochs"])
+    ap.add_argument("--train-prompts", type=int, default=SIZES["train_prompts"],
+                    help="instruction prompts from the train split (it yields about 510)")
+    ap.add_argument("--sampled", type=int, default=SAMPLED, metavar="K",
+                    help="also K sampled answers per train prompt (temperature --temperature): more varied text "
+                         "whose every position still carries the verifier's own features and distribution")
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=4, metavar="N", help="held-out figures every N epochs")
     ap.add_argument("--threads", type=int, default=2)
@@ -170,7 +203,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)
-    sizes, hp = dict(SIZES), dict(HP, epochs=a.epochs)
+    sizes, hp = dict(SIZES, train_prompts=a.train_prompts), dict(HP, epochs=a.epochs)
     if a.quick:
         sizes.update({k: v for k, v in QUICK.items() if k in sizes})
         hp["epochs"] = QUICK["epochs"]
@@ -189,8 +222,13 @@ def main() -> None:
     held = cached("fd-held-answers", dict(key, n=len(held_p), seed=a.seed + 1),
                   lambda: [(p, x) for p, x, _, _ in distill.teacher_answers(verifier, tok, held_p,
                                                                            sizes["answer_tokens"], 32)])
+    for j in range(a.sampled if not a.quick else 0):
+        ans = ans + cached("fd-train-sampled", dict(key, n=len(train_p), seed=a.seed, draw=j, t=a.temperature),
+                           lambda: sampled_answers(verifier, tok, train_p, sizes["answer_tokens"], 32,
+                                                   a.temperature, a.seed * 100 + j))
     windows = distill.corpus_windows(tok, corpus.train_documents())
-    train = cached("fd-train-features", dict(key, n=len(train_p), seed=a.seed, windows=len(windows)),
+    train = cached("fd-train-features", dict(key, n=len(train_p), seed=a.seed, windows=len(windows),
+                                             sampled=0 if a.quick else a.sampled, t=a.temperature),
                    lambda: features(verifier, [p + x for p, x in ans] + windows))
     held_f = cached("fd-held-features", dict(key, n=len(held_p), seed=a.seed + 1),
                     lambda: list(zip(features(verifier, [p + x for p, x in held]), [len(p) for p, _ in held])))
@@ -261,7 +299,8 @@ def main() -> None:
                "vocab_subset": len(ids), "heldout_answers": dict(ev, prompts=len(held_f), vocab_coverage=round(coverage, 4)),
                "training": {"sequences": len(train), "positions": sum(len(s) for s, _ in train),
                             "loss_per_epoch": losses, "train_seconds": round(train_s), "hp": hp, "ce": a.ce,
-                            "sizes": sizes},
+                            "sizes": sizes, "sampled_answers_per_prompt": a.sampled,
+                            "temperature": a.temperature},
                "torch": torch.__version__}
     (a.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     log(f"wrote {a.out}: {params / 1e6:.1f}M parameters, held-out agreement by depth {ev['agreement']}")
