@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from bpcompile.core.errors import UserError
+from bpcompile.runtime.model import is_feature_draft  # noqa: F401 (the build and `plan` ask through here)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")  # transformers 5 keeps the chat template in its own file
@@ -449,15 +450,6 @@ def check_weights(hf_dir: str | Path, spec: dict, weights: dict) -> None:
         f, _, got = weights[name]
         if tuple(got) != shape:
             raise UserError(f"tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}", file=str(f))
-
-
-def is_feature_draft(d: str | Path) -> bool:
-    """d/config.json names the FeatureDraft architecture (a draft on the verifier's features; runtime/model.py)."""
-    try:
-        raw = json.loads((Path(d) / "config.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(raw, dict) and raw.get("architecture") == "FeatureDraft"
 
 
 def read_feature_draft(d: str | Path, verifier: dict) -> dict:

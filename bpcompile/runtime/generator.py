@@ -11,7 +11,6 @@ The in-flight loop that serves requests from other threads is inflight.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -24,7 +23,7 @@ import torch
 from bpcompile.core.engine import EXECUTORS, EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.executor import Executor
-from bpcompile.runtime.model import FeatureDraft, Llama
+from bpcompile.runtime.model import FeatureDraft, Llama, is_feature_draft
 from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, RecentKV, cache_pages,
                                         float_store_factory, kernels_for)
 from bpcompile.runtime.request import (Request, RequestStats, SamplingParams, StepOutput, apply_penalties,
@@ -175,7 +174,7 @@ class Generator:
             verifier = load("verifier")
             draft = None
             if tree.kind != "none":
-                feature = json.loads((d / "draft" / "config.json").read_text()).get("architecture") == "FeatureDraft"
+                feature = is_feature_draft(d / "draft")
                 if feature and tp > 1:
                     raise UserError(f"{d}: its feature draft runs at tp 1", key="tp")
                 draft = FeatureDraft.from_dir(d / "draft", verifier) if feature else load("draft")

@@ -394,6 +394,15 @@ class Llama(torch.nn.Module):
         return (logits, hn) if return_hidden else logits
 
 
+def is_feature_draft(d: str | Path) -> bool:
+    """d/config.json names the FeatureDraft architecture (an unreadable or non-object config is not one)."""
+    try:
+        raw = json.loads((Path(d) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and raw.get("architecture") == "FeatureDraft"
+
+
 class FeatureDraft(torch.nn.Module):
     """A draft that reads the verifier's features (the EAGLE idea): the row of token x_i at position i gets
     fc([embedding(x_i), f_{i-1}]), where f_{i-1} is the verifier's final hidden state (after its norm) at
