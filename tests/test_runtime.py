@@ -168,15 +168,25 @@ def test_feature_draft_speculation_is_identical(pair, kind):
         assert gen.spec.features and gen.v_exec.features
         assert [t for t, _ in gen.generate(PROMPTS, SamplingParams(max_tokens=30))] == ref
         assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity
-    # a draft that may propose only some token ids: its logits elsewhere are -inf, the output still the verifier's
-    sub = feature_draft(pair[0], pair[1].w, fc, subset=list(range(0, CFG.vocab_size, 2)))
-    toks, pos = torch.tensor([[3, 8, 1]]), torch.arange(3)[None]
-    logits, h = sub(toks, pos, feats=torch.randn(1, 3, H))
-    assert logits.shape == (1, 3, CFG.vocab_size) and torch.isinf(logits[..., 1::2]).all() and logits[..., ::2].isfinite().all()
+    # a draft that may propose only some token ids: one logits column per id, the verifier's head rows for them
+    # (as the draft without a subset scores those ids), and the output is still the verifier's
+    sub = feature_draft(pair[0], pair[1].w, fc, subset=list(range(1, CFG.vocab_size, 2)))
+    toks, pos, f = torch.tensor([[3, 8, 1]]), torch.arange(3)[None], torch.randn(1, 3, H)
+    logits, h = sub(toks, pos, feats=f)
+    full, h_full = d(toks, pos, feats=f)
+    assert sub.proposable.tolist() == list(range(1, CFG.vocab_size, 2)) and d.proposable is None
+    assert logits.shape == (1, 3, (CFG.vocab_size) // 2) and torch.allclose(logits, full[..., 1::2], atol=1e-5)
     gen = Generator(pair[0], sub, TREES[kind], max_batch_size=4, page_size=4, backoff=False)
     assert [t for t, _ in gen.generate(PROMPTS, SamplingParams(max_tokens=30))] == ref
     with pytest.raises(ValueError, match="vocab_subset"):
         feature_draft(pair[0], pair[1].w, fc, subset=[1, 1, 2])
+    if cpu_packing_works(torch.bfloat16):  # a draft packed in bfloat16: logits to its rounding, output the verifier's
+        low = feature_draft(pair[0], pair[1].w, fc, subset=list(range(1, CFG.vocab_size, 2)))
+        assert low.pack_for_cpu(bf16=True) and low.layers[0].qkv.packed.dtype == torch.bfloat16
+        lo, _ = low(toks, pos, feats=f)
+        assert lo.dtype == torch.float32 and 0 < (lo - logits).abs().max() < 0.05 * logits.abs().max()
+        gen = Generator(pair[0], low, TREES[kind], max_batch_size=4, page_size=4, backoff=False)
+        assert [t for t, _ in gen.generate(PROMPTS, SamplingParams(max_tokens=30))] == ref
     with pytest.raises(UserError, match="torch executor"):
         Generator(pair[0], d, TREES[kind], executor="onnxruntime", graphs="/nonexistent")
 

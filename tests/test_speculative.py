@@ -195,10 +195,28 @@ def _chi2(counts, probs, n):
     return stat, crit
 
 
-def _run(tree, n, rule=None):
-    """n independent requests (own seeds) through speculative sampling -> counts of (t2, t3)."""
+def _subset_feature_draft(verifier, ids):
+    """A FeatureDraft (random layer and fc) that may propose only token ids `ids`: its logits have one column
+    per id, and speculative sampling must widen its q to the whole vocabulary."""
+    from dataclasses import replace
+
+    from bpcompile.runtime.model import FeatureDraft
+
+    g = torch.Generator().manual_seed(5)
+    w = {k: v for k, v in random_llama(CFG, seed=2, scale=0.3).w.items() if k.startswith("transformer.layers.0.")}
+    H = CFG.hidden_size
+    w.update({"fc.weight": torch.randn(H, 2 * H, generator=g) / H ** 0.5, "fc.bias": torch.zeros(H),
+              "vocab_subset": torch.tensor(ids)})
+    return FeatureDraft(replace(CFG, num_layers=1), w, verifier)
+
+
+def _run(tree, n, rule=None, subset=None):
+    """n independent requests (own seeds) through speculative sampling -> counts of (t2, t3). subset: the draft is
+    a FeatureDraft proposing only those token ids."""
     verifier = random_llama(CFG, seed=0, scale=0.3)
     draft = random_llama(CFG, seed=1, scale=0.3)  # unrelated weights: q differs a lot from p
+    if subset is not None:
+        draft = _subset_feature_draft(verifier, subset)
     # backoff off: a draft this costly would (rightly) be switched off, and this test is about the acceptance rule
     gen = Generator(verifier, draft, tree, max_batch_size=1000, max_seq_len=16, page_size=4, backoff=False)
     if rule is not None:
@@ -235,6 +253,18 @@ def test_speculative_sampling_is_lossless(kind):
     tv = 0.5 * float((counts / N_SAMPLES - exact).abs().sum())
     assert accepted > N_SAMPLES * 0.2, "drafts are (almost) never accepted: the test would not exercise them"
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (TV {tv:.3f}): output differs from the verifier's"
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_speculative_sampling_with_a_draft_of_some_token_ids_is_lossless(kind):
+    """The draft scores 5 of the 8 token ids (its logits have 5 columns): the output is still the verifier's law,
+    tokens it cannot propose included."""
+    verifier, counts, accepted = _run(TREES[kind], N_SAMPLES, subset=[0, 2, 3, 5, 6])
+    exact = _exact_t2_t3(verifier)
+    stat, crit = _chi2(counts.flatten(), exact.flatten(), N_SAMPLES)
+    assert accepted > N_SAMPLES * 0.1, "drafts are (almost) never accepted: the test would not exercise them"
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}: output differs from the verifier's"
+    assert exact[:, [1, 4, 7]].sum() > 0.2  # tokens outside the subset carry real mass in what was checked
 
 
 @pytest.mark.parametrize("kind", ["chain", "dynamic"])

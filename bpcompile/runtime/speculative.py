@@ -203,28 +203,50 @@ class DraftTree:
         return pack_rows(self.bits, words or (len(self) + 31) // 32)
 
 
+class Columns:
+    """What a draft's logits columns are when it scores only some token ids (FeatureDraft.proposable): column j
+    is token ids[j]. A draft distribution q over them is widened to the whole vocabulary (zero elsewhere) for
+    sampling, whose acceptance rule compares it with the verifier's."""
+
+    def __init__(self, ids: torch.Tensor, vocab_size: int):
+        self.ids, self.vocab_size = ids.to("cpu", torch.int64), vocab_size
+        self.tokens = self.ids.tolist()
+
+    def widen(self, q: torch.Tensor) -> torch.Tensor:
+        return q.new_zeros(self.vocab_size).index_copy_(0, self.ids, q)
+
+
 class _Builder:
     """Grows a DraftTree from draft logits. `expand({node: logits})` consumes the draft's logits at the
     nodes it asked for (first call: {0: logits after the last committed token}) and returns the nodes
-    whose logits it needs next; [] means the tree is complete."""
+    whose logits it needs next; [] means the tree is complete. columns: the logits' token ids when the draft
+    scores only some (None: column j is token j)."""
 
-    def __init__(self, tree: DraftTree, s: Sampling, max_depth: int):
-        self.tree, self.s, self.max_depth = tree, s, max_depth
+    def __init__(self, tree: DraftTree, s: Sampling, max_depth: int, columns: Optional[Columns] = None):
+        self.tree, self.s, self.max_depth, self.columns = tree, s, max_depth, columns
 
     def expand(self, logits: dict[int, torch.Tensor]) -> list[int]:
         raise NotImplementedError
 
+    def _token(self, j: int) -> int:
+        return j if self.columns is None else self.columns.tokens[j]
+
+    def _q(self, row: torch.Tensor) -> torch.Tensor:
+        """The draft's sampling distribution over the whole vocabulary."""
+        q = self.s.probs(row)
+        return q if self.columns is None else self.columns.widen(q)
+
     def _candidates(self, node: int, row: torch.Tensor, n: int) -> list[int]:
         """n candidate tokens below `node`: top-n (greedy) or n independent draws from q (sampling)."""
         if self.s.greedy:
-            return torch.topk(row, n).indices.tolist()
-        q = self.tree.q[node] = self.s.probs(row)
+            return [self._token(j) for j in torch.topk(row, n).indices.tolist()]
+        q = self.tree.q[node] = self._q(row)
         return sample(q, self.s.rng, n)
 
 
 class ChainBuilder(_Builder):
-    def __init__(self, tree, s, max_depth, length):
-        super().__init__(tree, s, min(max_depth, length))
+    def __init__(self, tree, s, max_depth, length, columns=None):
+        super().__init__(tree, s, min(max_depth, length), columns)
 
     def expand(self, logits):
         (node, row), = logits.items()
@@ -233,8 +255,8 @@ class ChainBuilder(_Builder):
 
 
 class StaticBuilder(_Builder):
-    def __init__(self, tree, s, max_depth, choices):
-        super().__init__(tree, s, max_depth)
+    def __init__(self, tree, s, max_depth, choices, columns=None):
+        super().__init__(tree, s, max_depth, columns)
         self.kids: dict[tuple, list[int]] = {}  # path -> top-k indices of its children
         for c in sort_choices(choices):
             if len(c) <= max_depth:
@@ -304,8 +326,8 @@ class DynamicBuilder(_Builder):
     forward per round for all sequences).
     """
 
-    def __init__(self, tree, s, max_depth, budget, calib: Optional[AcceptanceCalibration] = None):
-        super().__init__(tree, s, max_depth)
+    def __init__(self, tree, s, max_depth, budget, calib: Optional[AcceptanceCalibration] = None, columns=None):
+        super().__init__(tree, s, max_depth, columns)
         self.budget, self.heap, self.n = budget, [], 0
         self.calib = calib
         self.cum = {0: 1.0}
@@ -337,11 +359,11 @@ class DynamicBuilder(_Builder):
             if self.s.greedy:
                 pr = torch.softmax(row.float(), -1)
                 v, i = torch.topk(pr, min(self.budget, pr.shape[-1]))
-                self.ranked[node] = list(zip(v.tolist(), i.tolist()))
+                self.ranked[node] = list(zip(v.tolist(), map(self._token, i.tolist())))
                 self.rank[node] = 0
                 self._push(self.cum[node] * self._est(node), "draw", node)
             else:
-                t.q[node] = self.s.probs(row)
+                t.q[node] = self._q(row)
                 self._push(self.cum[node], "draw", node)
         added = len(t) - 1
         while self.heap and added < self.budget:
@@ -441,16 +463,17 @@ class BackOff:
 
 
 def make_builder(spec: TreeSpec, root_token: int, s: Sampling, max_depth: int,
-                 calib: Optional[AcceptanceCalibration] = None) -> tuple[DraftTree, Optional[_Builder]]:
+                 calib: Optional[AcceptanceCalibration] = None,
+                 columns: Optional[Columns] = None) -> tuple[DraftTree, Optional[_Builder]]:
     """The tree for one step and its builder (None: no drafting this step, the tree is node 0 alone)."""
     tree = DraftTree([root_token])
     if spec.kind == "none" or max_depth < 1:
         return tree, None
     if spec.kind == "chain":
-        return tree, ChainBuilder(tree, s, max_depth, spec.length)
+        return tree, ChainBuilder(tree, s, max_depth, spec.length, columns)
     if spec.kind == "static":
-        return tree, StaticBuilder(tree, s, max_depth, spec.choices)
-    return tree, DynamicBuilder(tree, s, max_depth, spec.nodes, calib)
+        return tree, StaticBuilder(tree, s, max_depth, spec.choices, columns)
+    return tree, DynamicBuilder(tree, s, max_depth, spec.nodes, calib, columns)
 
 
 # -------------------------------------------------------------------------------------- verification

@@ -26,8 +26,8 @@ import torch
 
 from bpcompile.runtime.executor import Executor, Moves
 from bpcompile.runtime.request import Request, apply_penalties, keep_logits, penalized
-from bpcompile.runtime.speculative import (AcceptanceCalibration, AcceptRule, BackOff, DraftTree, TreeSpec,
-                                           make_builder, residual_rule, verify_greedy, verify_sampling)
+from bpcompile.runtime.speculative import (AcceptanceCalibration, AcceptRule, BackOff, Columns, DraftTree,
+                                           TreeSpec, make_builder, residual_rule, verify_greedy, verify_sampling)
 
 
 class SpeculativeStep:
@@ -39,6 +39,8 @@ class SpeculativeStep:
         self.backoff: Optional[BackOff] = BackOff(tree) if backoff and draft is not None else None
         self.features = draft is not None and getattr(draft.model, "reads_features", False)
         verifier.features = self.features
+        ids = getattr(draft.model, "proposable", None) if draft is not None else None
+        self.columns = Columns(ids, draft.model.cfg.vocab_size) if ids is not None else None
 
     def run(self, reqs: list[Request]) -> list[list[int]]:
         """Tokens committed per request this step (the accepted drafts and the verifier's own token); both
@@ -48,7 +50,7 @@ class SpeculativeStep:
         spec = self.backoff.next_spec() if self.backoff is not None else self.tree
         for r in reqs:
             depth = r.params.max_tokens - len(r.out) - 1 if self.draft is not None else 0
-            tree, b = make_builder(spec, r.tokens[-1], r.sampling, depth, self.calib)
+            tree, b = make_builder(spec, r.tokens[-1], r.sampling, depth, self.calib, self.columns)
             trees.append(tree)
             builders.append(b)
         drafting = [k for k, b in enumerate(builders) if b is not None]
