@@ -4,8 +4,9 @@
     .venv/bin/python scripts/bench_smollm2.py --json out.json --prompts 12 --repeats 3
 
 Every row decodes the same chat prompts (held-out pydoc instruction prompts through SmolLM2's chat template)
-greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 weights, --threads intra-op
-threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
+greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 weights (a feature draft packs its
+own linears in bfloat16 where the CPU multiplies it natively, as engines run it; the header says so), --threads
+intra-op threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
 bpcompile verifier-only with an FP16 cache, with the default KV plan (recipes/smollm2.yaml's kv_cache on the
 native target, calibrated here on the builtin pydoc train split) and with that plan's codes alone (`plan_codes`:
 its exact FP16 sink and window off); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache),
@@ -205,8 +206,11 @@ def main() -> None:
                  "feat_dyn6_raw", "feat_chain3_raw", "feat_dyn5_raw", "feat_dyn5", "feat_random")
     identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps))) for k in keys if k in spec_rows}
     n_tok = a.max_tokens * len(ps)
+    packed = getattr(fd.layers[0].qkv, "packed", None) if fd is not None else None
+    draft_note = "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
-             f"weights ({'plain layout' if a.plain_weights else 'oneDNN-packed'} for bpcompile), {a.threads} threads, "
+             f"weights ({'plain layout' if a.plain_weights else 'oneDNN-packed'} for bpcompile{draft_note}), "
+             f"{a.threads} threads, "
              f"torch {torch.__version__}, {platform.processor() or platform.machine()}",
              "", "| row | tokens/s (median) | vs transformers | vs verifier-only FP16 | tau |", "|---|---|---|---|---|"]
     for k in keys:
