@@ -80,6 +80,19 @@ def test_passkey_trials_hide_the_key_at_the_asked_length():
     assert len({t["depth"] for t in ts}) > 1
 
 
+def test_paired_difference_of_passkey_outcomes():
+    from bpcompile.eval.evaluate import paired_difference
+
+    d = paired_difference([1, 1, 0, 0, 1, 1], [1, 0, 1, 0, 0, 1])
+    assert d["points"] == pytest.approx(100 / 6, abs=0.01) and (d["only_this"], d["only_fp16"]) == (2, 1)
+    lo, hi = d["interval_points"]
+    assert -100 < lo < d["points"] < hi < 100  # quantiles of resamples, not their extremes
+    same = paired_difference([1, 0, 1, 1] * 25, [1, 0, 1, 1] * 25)
+    assert same == {"points": 0.0, "only_this": 0, "only_fp16": 0, "interval_points": [0.0, 0.0]}
+    with pytest.raises(ValueError):
+        paired_difference([1, 0], [1])
+
+
 def test_eval_passkey_and_parity_on_tiny_sizes(engine):
     res = run_eval(engine, "--plans", "int4-naive,engine", "--passkey", "128,256", "--passkey-trials", "2",
                    "--parity-prompts", "3", "--parity-tokens", "8")
@@ -91,6 +104,14 @@ def test_eval_passkey_and_parity_on_tiny_sizes(engine):
     pk = rep["passkey"]
     assert pk["lengths"] == [128, 256] and pk["trials"] == 2 and set(pk["accuracy"]) == set(names)
     assert all(0 <= a <= 1 for acc in pk["accuracy"].values() for a in acc.values())
+    for n in names:  # per-trial outcomes behind each accuracy, and the paired comparison drawn from them
+        for L in ("128", "256"):
+            h, f = pk["hits"][n][L], pk["hits"]["fp16"][L]
+            assert len(h) == 2 and sum(h) / 2 == pk["accuracy"][n][L]
+            if n != "fp16":
+                d = pk["vs_fp16"][n][L]
+                assert (d["only_this"], d["only_fp16"]) == (sum(x > y for x, y in zip(h, f)), sum(x < y for x, y in zip(h, f)))
+    assert "fp16" not in pk["vs_fp16"] and "vs FP16 KV, same trials" in rep["markdown"]
     gp = rep["parity"]
     assert gp["prompts"] == 3 and gp["tokens"] == 8 and set(gp["identical"]) == set(names)
     assert gp["identical"]["fp16"] == 1.0 and gp["mean_identical_prefix"]["fp16"] == 8

@@ -290,9 +290,9 @@ def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, se
     once per trial; only the answer's decode steps run once per plan."""
     plans = _as_plans(verifier, plans)
     res = {"lengths": list(lengths), "trials": trials, "seed": seed, "mean_prompt_tokens": {},
-           "accuracy": {n: {} for n in plans}}
+           "accuracy": {n: {} for n in plans}, "hits": {n: {} for n in plans}}
     for L in lengths:
-        hits = dict.fromkeys(plans, 0)
+        hits = {n: [] for n in plans}
         ts = passkey_trials(tok, L, trials, seed)
         t0 = time.perf_counter()
         for i, t in enumerate(ts):
@@ -302,11 +302,31 @@ def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, se
             kv = _prefix_kv(verifier, ids[:P])
             for name, plan in plans.items():
                 pred = decode_logits(verifier, kv, ids[P:-1], plan).argmax(-1).tolist()
-                hits[name] += pred[ks - 1 - P:] == ids[ks:]
+                hits[name].append(int(pred[ks - 1 - P:] == ids[ks:]))
         res["mean_prompt_tokens"][str(L)] = round(sum(t["prompt_len"] for t in ts) / max(1, len(ts)), 1)
         for name in plans:
-            res["accuracy"][name][str(L)] = hits[name] / max(1, trials)
+            res["accuracy"][name][str(L)] = sum(hits[name]) / max(1, trials)
+            res["hits"][name][str(L)] = hits[name]
+    if "fp16" in plans:
+        res["vs_fp16"] = {n: {L: paired_difference(res["hits"][n][L], res["hits"]["fp16"][L], seed)
+                              for L in res["hits"][n]} for n in plans if n != "fp16"}
     return res
+
+
+def paired_difference(a: list[int], b: list[int], seed: int = 0, n_boot: int = 2000) -> dict:
+    """a - b on the same trials (1 = retrieved): the difference in accuracy (points), the trials only a
+    or only b got right, and a 95% paired-bootstrap interval of the difference. With a few hundred trials
+    one trial is a point or less, so a gap is read against this interval, not against a sampling error of
+    each accuracy on its own (the formats share their trials, and most of them agree)."""
+    n = len(a)
+    if n == 0 or n != len(b):
+        raise ValueError("paired_difference: two equally long, non-empty outcome lists")
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    boot = d[torch.randint(0, n, (n_boot, n), generator=g)].mean(1)
+    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"points": round(100 * d.mean().item(), 2), "only_this": int((d > 0).sum()), "only_fp16": int((d < 0).sum()),
+            "interval_points": [round(100 * lo, 2), round(100 * hi, 2)]}
 
 
 def greedy_parity(verifier: Llama, plans: dict, prompts: list[list[int]], tokens: int, batch: int = 16) -> dict:
@@ -349,6 +369,15 @@ def _long_markdown(report: dict) -> str:
         out += [f"| {n} | " + " | ".join(f"{100 * a[L]:.1f}%" for L in Ls) + " |" for n, a in pk["accuracy"].items()]
         out.append(f"\nPasskey retrieval: {pk['trials']} trials per length (random 5-digit key at a random depth; "
                    "correct when greedy decoding after \"The pass key is\" reproduces the key).")
+        if pk.get("vs_fp16"):
+            out += ["", "| KV cache vs FP16 KV, same trials | " + " | ".join(f"@{L}" for L in Ls) + " |",
+                    "|---|" + "---|" * len(Ls)]
+            out += [f"| {n} | " + " | ".join(
+                f"{d['points']:+.0f} pts ({d['interval_points'][0]:+.0f} … {d['interval_points'][1]:+.0f}); "
+                f"{d['only_this']} only here, {d['only_fp16']} only FP16" for d in (v[L] for L in Ls)) + " |"
+                for n, v in pk["vs_fp16"].items()]
+            out.append("\nPaired difference in passkey accuracy, percentage points (95% paired-bootstrap interval), "
+                       "and the trials only one of the two retrieved.")
     gp = report.get("parity")
     if gp:
         out += ["", "| KV cache | identical greedy continuations | mean identical prefix (tokens) |", "|---|---|---|"]
