@@ -65,6 +65,30 @@ def test_teacher_forced_decode_reads_what_the_runtime_decode_reads(verifier):
     torch.testing.assert_close(decode_logits(verifier, kv, out[:-1], fp16), full, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_passkey_greedy_answer_is_the_runtime_greedy_decode(verifier, window):
+    """greedy_answer (passkey's scoring: step by step through the plan's store, exact entries included) must
+    produce the runtime's greedy tokens over the same cache."""
+    from dataclasses import replace
+
+    from bpcompile.eval.evaluate import greedy_answer
+
+    prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    c = verifier.cfg
+    plan = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=window)
+    gen = Generator(verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64,
+                    kv_store_factory=kv_store_factory(plan))
+    out = gen.generate([prompt], SamplingParams(max_tokens=16))[0][0]
+    assert greedy_answer(verifier, _prefix_kv(verifier, prompt), out[:3], plan, 13) == out[3:]
+
+
+def test_passkey_counts_the_key_as_a_number_of_its_own():
+    from bpcompile.eval.evaluate import key_in
+
+    assert key_in(" 41704. Remember", "41704") and key_in(" a41704", "41704") and key_in("is: 41704", "41704")
+    assert not key_in(" 417041", "41704") and not key_in(" 4170", "41704") and not key_in("", "41704")
+
+
 def test_passkey_trials_hide_the_key_at_the_asked_length():
     from transformers import AutoTokenizer
 
