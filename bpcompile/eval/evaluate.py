@@ -313,7 +313,7 @@ def _progress(msg: str) -> None:
     print(f"bpcompile eval: {msg}", file=sys.stderr, flush=True)
 
 
-PASSKEY_ANSWER_TOKENS = 16  # room for a few words before the key ("The pass key is a 5-digit number: 41704")
+PASSKEY_ANSWER_TOKENS = 16  # the key (6 tokens with its space) and room for a few words before it
 
 
 def key_in(text: str, key: str) -> bool:
@@ -324,9 +324,8 @@ def key_in(text: str, key: str) -> bool:
 def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, seed: int = 0) -> dict:
     """Per plan and length: share of trials whose greedy answer (PASSKEY_ANSWER_TOKENS tokens after "The pass
     key is") contains the key ("accuracy", retrieval as passkey benchmarks score it), and share whose answer
-    starts with the key verbatim ("verbatim": stricter, it also scores the wording: at 4k tokens SmolLM2 often
-    answers "The pass key is a41704", the key retrieved after a word). The prompt is prefilled once per trial;
-    only the answer's decode steps run once per plan."""
+    starts with the key verbatim ("verbatim": stricter, it also scores the wording). The prompt is prefilled
+    once per trial; only the answer's decode steps run once per plan."""
     plans = _as_plans(verifier, plans)
     res = {"lengths": list(lengths), "trials": trials, "seed": seed, "answer_tokens": PASSKEY_ANSWER_TOKENS,
            "mean_prompt_tokens": {}, "accuracy": {n: {} for n in plans}, "verbatim": {n: {} for n in plans},
