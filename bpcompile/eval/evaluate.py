@@ -313,7 +313,7 @@ def _progress(msg: str) -> None:
     print(f"bpcompile eval: {msg}", file=sys.stderr, flush=True)
 
 
-PASSKEY_ANSWER_TOKENS = 16  # the key (6 tokens with its space) and room for a few words before it
+PASSKEY_ANSWER_TOKENS = 16  # the key and room for a few words before it
 
 
 def key_in(text: str, key: str) -> bool:
