@@ -257,14 +257,20 @@ class PlanDecoder:
     """Decode steps after a prefilled prompt through `plan`'s store: the prompt's K/V (from _prefix_kv) is
     stored in the plan's format once; each step appends its tokens' K/V, then they attend to the dequantized
     cache (the plan's exact entries read from an FP16 copy, as the runtime does). A step of T tokens reads
-    exactly what T sequential decode steps would; capacity is the prompt plus `max_new` tokens."""
+    exactly what T sequential decode steps would; capacity is the prompt plus `max_new` tokens.
+
+    Every format's stored entry decodes on its own (its scales are per token and unit), so each entry is
+    dequantized once, when written, and kept: a step costs its own tokens' reads, not the whole cache's."""
 
     def __init__(self, verifier: Llama, prefix_kv: list, plan: KVPlan, max_new: int):
         c, self.dev, self.verifier, self.plan = verifier.cfg, verifier.device, verifier, plan
         self.n = prefix_kv[0][0].shape[0]
         self.store = make_kv_store(plan, c, math.ceil((self.n + max_new) / PAGE), PAGE, self.dev)
+        prompt = torch.arange(self.n, device=self.dev)
+        self.read = []  # per layer: [k, v] [N, KV, D] as read back from the store, in the model's dtype
         for layer, (k, v) in enumerate(prefix_kv):
-            self.store.write(layer, torch.arange(self.n, device=self.dev), k, v)
+            self.store.write(layer, prompt, k, v)
+            self.read.append([x.to(verifier.dtype) for x in self.store.read(layer, prompt)])
         self.exact = [list(kv) for kv in prefix_kv] if plan.has_exact else None
         self.capacity = self.n + max_new
 
@@ -279,12 +285,13 @@ class PlanDecoder:
 
         def attend(layer, q, k, v):
             self.store.write(layer, new, k[0], v[0])
+            rd = self.read[layer]
+            rd[0], rd[1] = (torch.cat([old, x.to(q.dtype)]) for old, x in zip(rd, self.store.read(layer, new)))
             if self.exact is not None:
-                kh, vh = (x.to(q.dtype)[None] for x in self.store.read(layer, slots))
                 ex = self.exact[layer]
                 ex[0], ex[1] = torch.cat([ex[0], k[0]]), torch.cat([ex[1], v[0]])
-                return attend_exact(q, kh, vh, ex[0][None], ex[1][None], plan, new, slots, visible)
-            kh, vh = (x.to(q.dtype).transpose(0, 1) for x in self.store.read(layer, slots))  # [KV, N, D]
+                return attend_exact(q, rd[0][None], rd[1][None], ex[0][None], ex[1][None], plan, new, slots, visible)
+            kh, vh = (x.transpose(0, 1) for x in rd)  # [KV, N, D]
             rep = q.shape[2] // kh.shape[0]
             kh, vh = kh.repeat_interleave(rep, 0)[None], vh.repeat_interleave(rep, 0)[None]
             return F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=visible).transpose(1, 2)
