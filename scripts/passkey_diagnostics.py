@@ -1,0 +1,171 @@
+"""Which part of the KV cache's error moves SmolLM2's passkey retrieval at 4k? Diagnostic experiments behind
+docs/benchmarks/smollm2_pair.md §2 ("What moves the 4k departure"); each prints per-trial running counts, then
+every row against FP16 KV on the same trials (paired difference, 95% paired-bootstrap interval).
+
+    .venv/bin/python scripts/passkey_diagnostics.py sensitivity --length 4096 --trials 50 --seed 1
+    .venv/bin/python scripts/passkey_diagnostics.py calibration --length 4096 --trials 50 --seed 1
+    .venv/bin/python scripts/passkey_diagnostics.py noise --length 4096 --trials 50 --seed 1
+
+sensitivity: the engine's plan with parts (keys, values, a third of the layers) kept and the rest stored in INT8.
+calibration: plans recalibrated on 8 x 1024 tokens and/or without INT4 clipping (outlier fraction 0.02, window 16).
+noise: FP16 keys plus the plan's key error with random signs (same size, no structure), and the plan with each
+stored key's logit lowered by half its noise variance (the softmax's bias under noise, E[exp(s+n)] = exp(s+var/2)).
+The noise rows use their own attention over the plan's store (`NoiseDecoder`); its plain mode equals
+`greedy_answer` through the plan (checked at 512 tokens). Seed 1 keeps these trials apart from `bpcompile eval`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from copy import deepcopy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
+from bpcompile.build.corpus import calibration_samples  # noqa: E402
+from bpcompile.eval import evaluate as E  # noqa: E402
+from bpcompile.runtime.kvcache import KVPlan, make_kv_store  # noqa: E402
+from bpcompile.runtime.model import Llama  # noqa: E402
+
+
+def keep_only(plan: KVPlan, pred) -> KVPlan:
+    """plan with the units where pred(layer, 'k'|'v') holds as they are, the others stored in INT8."""
+    p = deepcopy(plan)
+    for layer in range(p.num_layers):
+        for kv in ("k", "v"):
+            if not pred(layer, kv):
+                p.precision[layer][kv] = ["int8"] * p.num_kv_heads
+    return p
+
+
+class NoiseDecoder:
+    """Greedy decode after a prefilled prompt through `plan`'s store, with the attention written out so that the
+    key logits can be changed. mode: 'plain' (what the plan reads), 'corr' (each non-exact logit lowered by
+    half of sum_d (q_d / sqrt(D))^2 e_jd^2, e = stored key - exact key), 'signflip' (the exact key plus e with
+    random signs; values as stored)."""
+
+    def __init__(self, verifier, prefix_kv, plan, max_new, mode):
+        self.v, self.plan, self.mode, self.n = verifier, plan, mode, prefix_kv[0][0].shape[0]
+        self.store = make_kv_store(plan, verifier.cfg, math.ceil((self.n + max_new) / 16), 16, "cpu")
+        self.g = torch.Generator().manual_seed(1234)
+        pr = torch.arange(self.n)
+        self.kv, self.rd = [], []
+        for layer, (k, v) in enumerate(prefix_kv):
+            self.store.write(layer, pr, k, v)
+            self.kv.append([k, v])
+            self.rd.append(list(self._read(layer, pr, k)))
+
+    def _read(self, layer, slots, k):
+        kh, vh = (x.float() for x in self.store.read(layer, slots))
+        if self.mode == "signflip":
+            e = kh - k
+            kh = k + e * (torch.randint(0, 2, e.shape, generator=self.g).float() * 2 - 1)
+        return kh, vh
+
+    def step(self, tokens):
+        N = self.n + len(tokens)
+        slots, new = torch.arange(N), torch.arange(self.n, N)
+        visible = slots[None, :] <= new[:, None]
+        ex = E.exact_reads(new, slots, self.plan.sink_tokens, self.plan.recent_window) & visible  # [T, N]
+
+        def attend(layer, q, k, v):
+            self.store.write(layer, new, k[0], v[0])
+            kv, rd = self.kv[layer], self.rd[layer]
+            kv[0], kv[1] = torch.cat([kv[0], k[0]]), torch.cat([kv[1], v[0]])
+            kh, vh = self._read(layer, new, k[0])
+            rd[0], rd[1] = torch.cat([rd[0], kh]), torch.cat([rd[1], vh])
+            H, D = q.shape[2], q.shape[3]
+            rep = H // kv[0].shape[1]
+            R = lambda x: x.repeat_interleave(rep, 1)  # noqa: E731  [N, KV, D] -> [N, H, D]
+            ke, ve = (x.half().float() for x in kv)  # the exact copies are FP16
+            qs = q[0] * D ** -0.5
+            s_q = torch.einsum("thd,nhd->htn", qs, R(rd[0]))
+            if self.mode == "corr":
+                s_q = s_q - 0.5 * torch.einsum("thd,nhd->htn", qs * qs, R((rd[0] - ke) ** 2))
+            s_e = torch.einsum("thd,nhd->htn", qs, R(ke))
+            p = torch.softmax(torch.where(ex[None], s_e, s_q).masked_fill(~visible[None], float("-inf")), -1)
+            return (torch.einsum("htn,nhd->thd", p * ~ex[None], R(rd[1]))
+                    + torch.einsum("htn,nhd->thd", p * ex[None], R(ve)))[None]
+
+        out = self.v.forward(torch.tensor([tokens]), new[None], attend=attend)[0]
+        self.n = N
+        return out
+
+
+def noise_answer(verifier, kv, prefix, plan, mode, tokens=E.PASSKEY_ANSWER_TOKENS):
+    dec = NoiseDecoder(verifier, kv, plan, len(prefix) + tokens, mode)
+    out = [int(dec.step(prefix)[-1].argmax())]
+    while len(out) < tokens:
+        out.append(int(dec.step(out[-1:])[-1].argmax()))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise"))
+    ap.add_argument("--engine", default=str(ROOT / "engines/smollm2/1"))
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write the per-trial outcomes here (JSON)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from transformers import AutoTokenizer
+
+    d = Path(a.engine)
+    v = Llama.from_checkpoint(d / "verifier", dtype=None)
+    tok = AutoTokenizer.from_pretrained(d / "tokenizer")
+    plan = KVPlan.load(d / "kv_plan")
+    greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
+    rows = {"fp16": greedy(E._as_plans(v, {"f": "fp16"})["f"])}
+    if a.experiment == "sensitivity":
+        for name, p in {"int8": "int8", "plan": plan,
+                        "plan, keys only": keep_only(plan, lambda layer, kv: kv == "k"),
+                        "plan, values only": keep_only(plan, lambda layer, kv: kv == "v"),
+                        "plan, layers 0-9 only": keep_only(plan, lambda layer, kv: layer < 10),
+                        "plan, layers 10-19 only": keep_only(plan, lambda layer, kv: 10 <= layer < 20),
+                        "plan, layers 20-29 only": keep_only(plan, lambda layer, kv: layer >= 20)}.items():
+            rows[name] = greedy(E._as_plans(v, {name: p})[name])
+    else:
+        variants = [("8x1024, no clipping", 8, 1024, {"clip_ratios": (1.0,)})]
+        if a.experiment == "calibration":
+            rows["plan"] = greedy(plan)
+            variants = [("8x1024", 8, 1024, {})] + variants + [("16x128, no clipping", 16, 128, {"clip_ratios": (1.0,)})]
+        for name, n, length, extra in variants:
+            m = measure_units(v, calibration_samples(tok, n, length), KVCalibConfig(group_size=64, **extra))
+            p, rep = plan_from_measurement(m, v.cfg, 0.02, recent_window=16)
+            print(f"{name}: {rep['compression_vs_fp16']}x", flush=True)
+            if a.experiment == "calibration":
+                rows[name] = greedy(p)
+            else:
+                rows[name] = lambda kv, prefix, p=p: noise_answer(v, kv, prefix, p, "plain")
+                rows[name + ", logits corrected"] = lambda kv, prefix, p=p: noise_answer(v, kv, prefix, p, "corr")
+        if a.experiment == "noise":
+            rows["plan"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "plain")
+            rows["plan, logits corrected"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "corr")
+            rows["fp16 keys + plan's key error, random signs"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "signflip")
+    hits = {n: [] for n in rows}
+    t0 = time.perf_counter()
+    for i, t in enumerate(E.passkey_trials(tok, a.length, a.trials, a.seed)):
+        ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
+        kv = E._prefix_kv(v, ids[:P])
+        for name, answer in rows.items():
+            hits[name].append(int(E.key_in(tok.decode(answer(kv, ids[P:ks])), t["key"])))
+        print(i, f"{time.perf_counter() - t0:.0f}s", {n: sum(h) for n, h in hits.items()}, flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(hits))
+    for name, h in hits.items():
+        print(f"{name}: {sum(h)}/{len(h)}", E.paired_difference(h, hits["fp16"], a.seed) if name != "fp16" else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
