@@ -53,7 +53,7 @@ class NoiseDecoder:
 
     def __init__(self, verifier, prefix_kv, plan, max_new, mode):
         self.v, self.plan, self.mode, self.n = verifier, plan, mode, prefix_kv[0][0].shape[0]
-        self.store = make_kv_store(plan, verifier.cfg, math.ceil((self.n + max_new) / 16), 16, "cpu")
+        self.store = make_kv_store(plan, verifier.cfg, math.ceil((self.n + max_new) / E.PAGE), E.PAGE, "cpu")
         self.g = torch.Generator().manual_seed(1234)
         pr = torch.arange(self.n)
         self.kv, self.rd = [], []
