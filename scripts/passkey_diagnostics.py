@@ -5,13 +5,23 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py sensitivity --length 4096 --trials 50 --seed 1
     .venv/bin/python scripts/passkey_diagnostics.py calibration --length 4096 --trials 50 --seed 1
     .venv/bin/python scripts/passkey_diagnostics.py noise --length 4096 --trials 50 --seed 1
+    .venv/bin/python scripts/passkey_diagnostics.py heads --length 4096 --trials 50 --seed 1   # and --seed 2
+    .venv/bin/python scripts/passkey_diagnostics.py candidates --length 4096 --trials 100 --seed 0   # and 2048, ...
+
+The engine's plan here is the one before retrieval units (a version built with `kv_cache.retrieval_fraction: 0`,
+the other kv_cache keys auto: INT4 with 4 FP8 units and a 16-position window); pass it with --engine.
 
 sensitivity: the engine's plan with parts (keys, values, a third of the layers) kept and the rest stored in INT8.
 calibration: plans recalibrated on 8 x 1024 tokens and/or without INT4 clipping (outlier fraction 0.02, window 16).
 noise: FP16 keys plus the plan's key error with random signs (same size, no structure), and the plan with each
 stored key's logit lowered by half its noise variance (the softmax's bias under noise, E[exp(s+n)] = exp(s+var/2)).
 The noise rows use their own attention over the plan's store (`NoiseDecoder`); its plain mode equals
-`greedy_answer` through the plan (checked at 512 tokens). Seed 1 keeps these trials apart from `bpcompile eval`'s.
+`greedy_answer` through the plan (checked at 512 tokens).
+heads: units ranked by retrieval_scores on 16 of eval's passkey prompts at 2k (seed 7, key teacher-forced); the
+plan with the keys of the top 3 / 6 / 10 stored in INT8, with all, none or 2 of its FP8 units kept.
+candidates: the top 3's keys in INT8 with 4, 3 or 2 FP8 units and windows 12, 14, 16 (each >= 3.5x allocated);
+the last is what `bpcompile build recipes/smollm2.yaml` now calibrates (the same codes). Run with --seed 0, the
+trials `bpcompile eval` draws. Seed 1 keeps these trials apart from `bpcompile eval`'s.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import math
 import sys
 import time
 from copy import deepcopy
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,11 +39,41 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
+from bpcompile.build.calibrate import (KVCalibConfig, measure_units, plan_from_measurement,  # noqa: E402
+                                      retrieval_scores)
 from bpcompile.build.corpus import calibration_samples  # noqa: E402
 from bpcompile.eval import evaluate as E  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, make_kv_store  # noqa: E402
 from bpcompile.runtime.model import Llama  # noqa: E402
+
+
+def passkey_probes(tok, length: int, trials: int, seed: int) -> list[dict]:
+    """eval's passkey prompts with the key teacher-forced, as retrieval probes (calibrate.retrieval_scores): the
+    key's copies in the prompt are found by search."""
+    out = []
+    for t in E.passkey_trials(tok, length, trials, seed):
+        ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
+        key = ids[ks:]
+        needle = sorted({j + i for j in range(P - len(key)) if ids[j:j + len(key)] == key for i in range(len(key))})
+        out.append({"ids": ids, "needle": needle, "answer": list(range(ks, len(ids)))})
+    return out
+
+
+def with_units(plan: KVPlan, units, precision: str = "int8", keep_fp8: int | None = None) -> KVPlan:
+    """plan with the keys of each (layer, head) in units stored in `precision`; keep_fp8: only that many of its
+    FP8 units (the first by the calibration's loss-based order) stay FP8, the others go to INT4 at the clip
+    ratio calibration found for them."""
+    p = deepcopy(plan)
+    if keep_fp8 is not None:
+        fp8 = sorted(((u["fisher_error"], lay["layer"], u["kind"], u["head"], u["clip"])
+                      for lay in plan.calibration["layers"] for u in lay["units"] if u["precision"] == "fp8"),
+                     reverse=True)
+        for _, layer, kv, head, clip in fp8[keep_fp8:]:
+            p.precision[layer][kv][head] = "int4"
+            p.int4_clip[layer, 0 if kv == "k" else 1, head] = clip
+    for layer, head in units:
+        p.precision[layer]["k"][head] = precision
+    return p
 
 
 def keep_only(plan: KVPlan, pred) -> KVPlan:
@@ -109,12 +150,13 @@ def noise_answer(verifier, kv, prefix, plan, mode, tokens=E.PASSKEY_ANSWER_TOKEN
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise"))
+    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates"))
     ap.add_argument("--engine", default=str(ROOT / "engines/smollm2/1"))
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default=None, help="heads: only these rows (exact names, ;-separated)")
     ap.add_argument("--out", default=None, help="write the per-trial outcomes here (JSON)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -134,6 +176,27 @@ def main() -> int:
                         "plan, layers 10-19 only": keep_only(plan, lambda layer, kv: 10 <= layer < 20),
                         "plan, layers 20-29 only": keep_only(plan, lambda layer, kv: layer >= 20)}.items():
             rows[name] = greedy(E._as_plans(v, {name: p})[name])
+    elif a.experiment == "candidates":  # the plans within the 3.5x budget that keep the top 3's keys in INT8
+        top = [(21, 2), (18, 2), (23, 0)]  # "heads" order on SmolLM2-135M-Instruct
+        for name, p in {"4 FP8 units, window 12": replace(with_units(plan, top), recent_window=12),
+                        "3 FP8 units, window 14": replace(with_units(plan, top, keep_fp8=3), recent_window=14),
+                        "2 FP8 units, window 16": with_units(plan, top, keep_fp8=2)}.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
+            rows[name] = greedy(p)
+    elif a.experiment == "heads":
+        t0 = time.perf_counter()
+        sc = retrieval_scores(v, passkey_probes(tok, 2048, 16, 7))
+        order = [(int(i) // sc.shape[1], int(i) % sc.shape[1]) for i in torch.argsort(sc.flatten(), descending=True)]
+        print(f"retrieval scores ({time.perf_counter() - t0:.0f}s):", [(u, round(float(sc[u]), 3)) for u in order[:12]])
+        variants = {"plan": plan, "plan, keys of layers 10-19 in INT8": with_units(plan, [(x, h) for x in range(10, 20) for h in range(3)])}
+        for k in (3, 6, 10):
+            variants[f"plan, keys of the top {k} retrieval units in INT8"] = with_units(plan, order[:k])
+            variants[f"plan without FP8, keys of the top {k} retrieval units in INT8"] = with_units(plan, order[:k], keep_fp8=0)
+        variants["plan with 2 FP8 units, keys of the top 3 retrieval units in INT8"] = with_units(plan, order[:3], keep_fp8=2)
+        variants = {n: p for n, p in variants.items() if not a.rows or n in a.rows.split(";")}
+        for name, p in variants.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
+            rows[name] = greedy(p)
     else:
         variants = [("8x1024, no clipping", 8, 1024, {"clip_ratios": (1.0,)})]
         if a.experiment == "calibration":

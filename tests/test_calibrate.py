@@ -208,3 +208,72 @@ def test_evaluate_engine(ckpt, tmp_path):
     assert rep["tokens"] == 64 and "| engine plan" in rep["markdown"]
     out = json.loads(evaluate_engine(eng, json_out=True, n=2, length=32, calib_n=2, calib_length=32))
     assert [r["name"] for r in out["rows"]] == names
+
+
+def test_retrieval_probes_hold_the_key_where_they_say(ckpt):
+    """Each probe's needle positions hold the key twice, the answer positions hold it once more, at the probe's
+    depth, and the probe is about the asked length."""
+    from bpcompile.build.corpus import retrieval_probes
+
+    probes = retrieval_probes(ckpt / "tok", samples(4, 32, 3), n=3, length=96, seed=1)
+    assert len(probes) == 3
+    for i, p in enumerate(probes):
+        ids, k = p["ids"], len(p["answer"])
+        key = [ids[j] for j in p["answer"]]
+        assert [ids[j] for j in p["needle"]] == key + key and p["answer"][-1] == len(ids) - 1
+        assert abs(len(ids) - 96) <= 2 and p["needle"][0] < p["answer"][0] - k
+        assert p["needle"][0] < len(ids) * (i + 1) / 3 + 12  # depth (i + 0.5) / n of the filler
+    assert retrieval_probes(ckpt / "tok", samples(4, 32, 3), n=3, length=96, seed=1) == probes
+    assert retrieval_probes(ckpt / "tok", samples(4, 32, 3), n=3, length=96, seed=2) != probes
+
+
+def test_retrieval_scores_are_transformers_attention_on_the_needle(ckpt, model):
+    """The score of a KV unit is, for its most needle-attending query head, the attention weight on the needle's
+    tokens averaged over the positions that predict the answer's key: recomputed from transformers' own
+    attention probabilities (eager attention, output_attentions) of the unconverted checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from bpcompile.build.calibrate import retrieval_scores
+    from bpcompile.build.corpus import retrieval_probes
+
+    probes = retrieval_probes(ckpt / "tok", samples(4, 32, 4), n=2, length=80)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt / "hf", dtype=torch.float32, attn_implementation="eager").eval()
+    want = torch.zeros(3, 4)
+    for p in probes:
+        with torch.no_grad():
+            att = hf(torch.tensor([p["ids"]]), output_attentions=True).attentions  # L x [1, H, T, T]
+        q = torch.tensor(p["answer"]) - 1
+        for layer, a in enumerate(att):
+            want[layer] += a[0][:, q][:, :, p["needle"]].sum(-1).mean(-1) / len(probes)
+    got = retrieval_scores(model, probes)
+    assert got.shape == (3, 2)
+    torch.testing.assert_close(got, want.reshape(3, 2, 2).amax(-1), atol=1e-5, rtol=1e-4)
+
+
+def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_path):
+    """The keys of the highest-scoring units are stored in INT8, the outlier units are then chosen among the
+    others by their loss-based order, and the plan's bytes are what the memory plan counts for the recipe."""
+    from bpcompile.build.calibrate import measure_units, plan_from_measurement
+
+    m = measure_units(model, samples(4, 32, 0), KVCalibConfig.from_dict(CFG))
+    score = torch.tensor([[0.1, 0.2], [0.9, 0.3], [0.0, 0.8]])  # (layer 1, head 0) then (2, 1) then (1, 1)
+    plan, rep = plan_from_measurement(m, model.cfg, 0.25, retrieval=score, retrieval_fraction=2 / 12)
+    assert plan.precision[1]["k"][0] == plan.precision[2]["k"][1] == "int8"
+    assert rep["retrieval_units"] == 2 and rep["fp8_units"] == 3
+    alone, _ = plan_from_measurement(m, model.cfg, 0.25)
+    order = sorted(range(12), key=lambda u: (-m["units"][u]["fisher_error"], u))
+    want = [u for u in order if (m["units"][u]["layer"], m["units"][u]["kind"], m["units"][u]["head"])
+            not in {(1, "k", 0), (2, "k", 1)}][:3]
+    fp8 = [i for i, u in enumerate(m["units"]) if plan.precision[u["layer"]][u["kind"]][u["head"]] == "fp8"]
+    assert sorted(want) == fp8 and sum(x == "fp8" for p in alone.precision for x in p["k"] + p["v"]) == 3
+    # bytes per token: 2 INT8 + 3 FP8 units of (16 + 2) bytes, 7 INT4 units of (8 + 2)
+    assert plan.bytes_per_token() == 5 * 18 + 7 * 10
+    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "retrieval_fraction": 0.1},
+                                 {"samples": 2, "length": 24}, tmp_path / "kv")
+    assert len(res["retrieval_units"]) == 1 and "retrieval keys INT8" in res["detail"]
+    saved = KVPlan.load(tmp_path / "kv")
+    assert sum(x == "int8" for p in saved.precision for x in p["k"]) == 1
+    with pytest.raises(UserError, match="retrieval_fraction"):
+        KVCalibConfig.from_dict({**CFG, "retrieval_fraction": 0.6})
+    with pytest.raises(UserError, match="probes"):
+        calibrate(model, samples(2, 16, 0), {**CFG, "retrieval_fraction": 0.1})

@@ -76,10 +76,15 @@ def test_exact_entries_add_their_copies_per_sequence():
     recipe at tp 8, 80 layers x 1 KV head x K|V x 128 x 2 bytes x (1 + 16 + 6) per sequence, 64 sequences."""
     base = _recipe_70b()
     models = {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}}
-    exact = {**base, "models": models, "kv_cache": {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16}}
+    kv = {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16}
+    exact = {**base, "models": models, "kv_cache": {**kv, "retrieval_fraction": 0.0}}
     p0 = plan(Recipe.model_validate({**base, "models": models}), _spec(L70), _spec(L1B), DEVICES["h200"])
     p1 = plan(Recipe.model_validate(exact), _spec(L70), _spec(L1B), DEVICES["h200"])
     assert p1["kv_bytes"] - p0["kv_bytes"] == 64 * 80 * 1 * 2 * 128 * 2 * (1 + 16 + 6)
+    # with exact entries retrieval_fraction's auto is 0.015: round(19.2) = 19 of the 1280 units' keys in INT8
+    # instead of INT4, 64 more payload bytes each per token, an eighth of them on this rank
+    p2 = plan(Recipe.model_validate({**base, "models": models, "kv_cache": kv}), _spec(L70), _spec(L1B), DEVICES["h200"])
+    assert p2["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 19 * 64 / 8
 
 
 def test_small_config_by_hand():

@@ -36,11 +36,12 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 
 @pytest.mark.parametrize("target,executor,fmt,want", [
-    ("native", "torch", "int4-fp8-outlier", (0, 16, 0.02)),  # the default: an exact window, 2% FP8 units
-    ("native", "onnxruntime", "int4-fp8-outlier", (0, 0, 0.08)),  # the graphs do not read exact entries
-    ("tensorrt", "torch", "int4-fp8-outlier", (0, 0, 0.08)),  # nor does the TensorRT plugin
-    ("native", "torch", "int8", (0, 0, 0.08)),  # auto turns them on for the INT4 format only
-    ("native", "torch", "fp16", (0, 0, 0.08)),
+    # the default: an exact window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
+    ("native", "torch", "int4-fp8-outlier", (0, 16, 0.01, 0.015)),
+    ("native", "onnxruntime", "int4-fp8-outlier", (0, 0, 0.08, 0.0)),  # the graphs do not read exact entries
+    ("tensorrt", "torch", "int4-fp8-outlier", (0, 0, 0.08, 0.0)),  # nor does the TensorRT plugin
+    ("native", "torch", "int8", (0, 0, 0.08, 0.0)),  # auto turns them on for the INT4 format only
+    ("native", "torch", "fp16", (0, 0, 0.08, 0.0)),
 ])
 def test_kv_cache_autos_resolve_per_target(target, executor, fmt, want):
     from bpcompile.core.engine import EngineConfig
@@ -48,7 +49,7 @@ def test_kv_cache_autos_resolve_per_target(target, executor, fmt, want):
     e = EngineConfig.model_validate({"name": "t", "target": target, "runtime": {"executor": executor},
                                      "kv_cache": {"format": fmt}})
     kv = e.kv_cache
-    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction) == want
+    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction) == want
     assert EngineConfig.model_validate_json(e.model_dump_json()).kv_cache == kv  # engine.json keeps them resolved
 
 

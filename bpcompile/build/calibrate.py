@@ -22,6 +22,11 @@ the layer-output error picks and lowers the held-out KL of the plan by a tenth. 
 units)` units with the largest `fisher_error` take the outlier precision (FP8 by default; INT8 costs the same
 bytes and was within calibration noise of it), at least one when the fraction is > 0; ties go to the lower unit
 id, so the plan is a pure function of the model and the samples.
+Retrieval units (`retrieval_fraction`): the keys of the KV heads that copy from far back (the ones that put the
+most attention on a needle's key while the model repeats it, on needle-in-a-haystack prompts built from the
+calibration text) are stored in INT8, chosen before the outlier units. Why: long-context retrieval on SmolLM2 moved
+with any 4-bit-sized key noise (the plan retrieved a passkey at 4k tokens far more often than FP16 KV did) and the
+departure came from a few such heads; FP8's noise moves it too, INT8's does not.
 `rotation: none` is the previous recipe (pair-tied absmax key scale, FP8 outliers).
 Format: docs/KV_FORMAT.md.
 """
@@ -40,6 +45,7 @@ from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import ROTATIONS, KVPlan, fake_quantize
 from bpcompile.runtime.model import Llama, causal_attend, rms_norm
 
+RETRIEVAL_PROBES, RETRIEVAL_PROBE_LENGTH = 4, 1024  # needle-in-a-haystack prompts for retrieval_scores
 RECIPE_FORMATS = {"int4-fp8-outlier", "fp8", "int8", "fp16", "int4-naive"}
 
 
@@ -55,6 +61,8 @@ class KVCalibConfig:
     rotation: str = "auto"  # "auto" (hadamard where the head size is a power of two) | "hadamard" | "none"
     key_centering: bool = True  # subtract the keys' static per-channel mean (with rotation only)
     outlier_precision: str = "fp8"  # "fp8" | "int8": what the most sensitive units are stored in
+    # share of units (keys of retrieval heads, chosen by retrieval_scores) stored in INT8; needs probes
+    retrieval_fraction: float = 0.0
     # exact entries (KVPlan.sink_tokens / recent_window), carried into the plan; the recipe resolves its autos
     sink_tokens: int = 0
     recent_window: int = 0
@@ -69,7 +77,12 @@ class KVCalibConfig:
             if getattr(cfg, k) == "auto":  # outside a recipe (which resolves them per target): none
                 setattr(cfg, k, 0)
         if cfg.outlier_fraction == "auto":
-            cfg.outlier_fraction = 0.02 if (cfg.sink_tokens or cfg.recent_window) else 0.08
+            cfg.outlier_fraction = 0.01 if (cfg.sink_tokens or cfg.recent_window) else 0.08
+        if cfg.retrieval_fraction == "auto":
+            cfg.retrieval_fraction = 0.0
+        if not 0.0 <= cfg.retrieval_fraction <= 0.5:  # keys are half the units
+            raise UserError(f"retrieval_fraction must be in [0, 0.5], got {cfg.retrieval_fraction}",
+                            key="kv_cache.retrieval_fraction")
         if cfg.format not in RECIPE_FORMATS:
             raise UserError(f"unknown format {cfg.format!r}; expected one of {sorted(RECIPE_FORMATS)}",
                             key="kv_cache.format")
@@ -152,6 +165,30 @@ def kv_loss_grad_sq(verifier: Llama, samples: list[list[int]], batch: int = 4) -
             out[layer][0].append(k.grad.float().pow(2).cpu())
             out[layer][1].append(v.grad.float().pow(2).cpu())
     return [(torch.cat(gk), torch.cat(gv)) for gk, gv in out]
+
+
+def retrieval_scores(verifier: Llama, probes: list[dict]) -> torch.Tensor:
+    """[L, KV]: per KV unit, the largest share of attention one of its query heads puts on the needle's key
+    tokens while the answer's key tokens are predicted, averaged over the probes (corpus.retrieval_probes). The
+    units that score high are the retrieval heads that copy from far back; noise in their keys moves long-range
+    retrieval (in either direction) more than any other units' does."""
+    c = verifier.cfg
+    score = torch.zeros(c.num_layers, c.num_heads)
+    dev = verifier.device
+    for p in probes:
+        needle = torch.tensor(p["needle"], device=dev)
+        qpos = torch.tensor(p["answer"], device=dev) - 1  # the positions that predict the answer's key tokens
+
+        def attend(layer, q, k, v):
+            qs = q[0, qpos].float() * q.shape[-1] ** -0.5
+            s = torch.einsum("thd,nhd->htn", qs, k[0].float().repeat_interleave(q.shape[2] // k.shape[2], 1))
+            s = s.masked_fill(torch.arange(k.shape[1], device=dev)[None, None] > qpos[None, :, None], float("-inf"))
+            score[layer] += (torch.softmax(s, -1)[:, :, needle].sum(-1).mean(-1) / len(probes)).cpu()
+            return causal_attend(q, k, v)
+
+        with torch.inference_mode():
+            verifier.forward(torch.tensor([p["ids"]], device=dev), attend=attend, last_only=True)
+    return score.reshape(c.num_layers, c.num_kv_heads, -1).amax(-1)
 
 
 def key_channel_scale(k: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -265,14 +302,21 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
 
 
 def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-fp8-outlier", sink_tokens: int = 0,
-                          recent_window: int = 0, seq_len: int = 2048, lookahead: int = 6):
-    """KVPlan + per-layer report for one outlier fraction from `measure_units` output."""
+                          recent_window: int = 0, seq_len: int = 2048, lookahead: int = 6,
+                          retrieval: Optional[torch.Tensor] = None, retrieval_fraction: float = 0.0):
+    """KVPlan + per-layer report for one outlier fraction from `measure_units` output. retrieval: [L, KV] scores
+    (retrieval_scores); the keys of the round(retrieval_fraction * units) highest go to INT8 first, then the
+    outlier units are chosen among the rest."""
     c = model_cfg
     units = m["units"]
-    n_fp8 = n_outlier_units(fraction, len(units))
+    n_ret = n_outlier_units(retrieval_fraction, len(units)) if retrieval is not None else 0
+    by_score = sorted((u for u, r in enumerate(units) if r["kind"] == "k"),
+                      key=lambda u: (-float(retrieval[units[u]["layer"], units[u]["head"]]), u)) if n_ret else []
+    ret = set(by_score[:n_ret])
+    n_fp8 = min(n_outlier_units(fraction, len(units)), len(units) - len(ret))
     # plans measured before the loss-based selection have no fisher_error: they keep the layer-output order
     key = "fisher_error" if all("fisher_error" in u for u in units) else "int4_error"
-    order = sorted(range(len(units)), key=lambda u: (-units[u][key], u))
+    order = [u for u in sorted(range(len(units)), key=lambda u: (-units[u][key], u)) if u not in ret]
     fp8 = set(order[:n_fp8])
     outlier, rotation = m.get("outlier_precision", "fp8"), m.get("rotation", "none")
     prec = [{"k": [], "v": []} for _ in range(c.num_layers)]
@@ -280,20 +324,23 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
     kcs = m["k_channel_scale"].clone()
     layers = [{"layer": i, "units": []} for i in range(c.num_layers)]
     for u, r in enumerate(units):
-        p = outlier if u in fp8 else "int4"
+        p = "int8" if u in ret else outlier if u in fp8 else "int4"
         prec[r["layer"]][r["kind"]].append(p)
         kv = 0 if r["kind"] == "k" else 1
         if p == "int4":
             clip[r["layer"], kv, r["head"]] = r["clip"]
         elif kv == 0 and rotation == "none":
             kcs[r["layer"], r["head"]] = 1.0  # FP8 has per-element exponents: channel scaling buys nothing
-        layers[r["layer"]]["units"].append({**r, "precision": p})
+        layers[r["layer"]]["units"].append({**r, "precision": p} | (
+            {"retrieval_score": float(retrieval[r["layer"], r["head"]]), "retrieval": u in ret}
+            if retrieval is not None and r["kind"] == "k" else {}))
     plan = KVPlan(fmt, c.num_layers, c.num_kv_heads, c.head_size, m["group_size"], prec,
                   k_channel_scale=kcs, int4_clip=clip, outlier_fraction=fraction, rotation=rotation,
                   sink_tokens=sink_tokens, recent_window=recent_window,
                   k_mean=m.get("k_mean"))
     report = {"format": fmt, "outlier_fraction": fraction, "units": len(units), "fp8_units": n_fp8,
-              "outlier_precision": outlier, "rotation": rotation, "key_centering": m.get("k_mean") is not None,
+              "outlier_precision": outlier, "retrieval_units": len(ret), "rotation": rotation,
+              "key_centering": m.get("k_mean") is not None,
               "group_size": plan.effective_group_size, "bytes_per_token": plan.bytes_per_token(),
               "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4),
               "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead},
@@ -313,9 +360,10 @@ def _compact(layers: list) -> list:
 
 
 def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len: int = 2048,
-              lookahead: int = 6) -> tuple[KVPlan, dict]:
+              lookahead: int = 6, probes: Optional[list[dict]] = None) -> tuple[KVPlan, dict]:
     """(KVPlan, report) for the verifier. kv_config: KVCalibConfig or the recipe's kv_cache dict. seq_len,
-    lookahead: what the reported compression is for (a plan with exact entries spreads them over a sequence)."""
+    lookahead: what the reported compression is for (a plan with exact entries spreads them over a sequence).
+    probes: corpus.retrieval_probes, needed when the config's retrieval_fraction > 0."""
     cfg = kv_config if isinstance(kv_config, KVCalibConfig) else KVCalibConfig.from_dict(kv_config)
     c = verifier.cfg
     if cfg.format != "int4-fp8-outlier":
@@ -326,8 +374,15 @@ def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len
                   "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4), "layers": []}
         plan.calibration = report
         return plan, report
+    retrieval = None
+    if cfg.retrieval_fraction > 0:
+        if not probes:
+            raise UserError("retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes)",
+                            key="kv_cache.retrieval_fraction")
+        retrieval = retrieval_scores(verifier, probes)
     return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
-                                 recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead)
+                                 recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead,
+                                 retrieval=retrieval, retrieval_fraction=cfg.retrieval_fraction)
 
 
 def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, length: int) -> list[list[int]]:
@@ -369,20 +424,28 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     length = int(cal.get("length", 128))
     verifier = Llama.from_checkpoint(verifier_ckpt_dir, dtype=None)  # the recipe's dtype
     samples = recipe_samples(tokenizer_dir, cal, calibration_file) if cfg.format == "int4-fp8-outlier" else []
-    plan, report = calibrate(verifier, samples, cfg, seq_len, lookahead)
+    probes = None
+    if samples and cfg.retrieval_fraction > 0:
+        from bpcompile.build.corpus import retrieval_probes
+
+        probes = retrieval_probes(tokenizer_dir, samples, RETRIEVAL_PROBES, RETRIEVAL_PROBE_LENGTH)
+    plan, report = calibrate(verifier, samples, cfg, seq_len, lookahead, probes)
     plan.calibration["samples"] = {"n": len(samples), "length": length,
                                    "source": str(calibration_file) if calibration_file else cal.get("source")}
     plan.save(out_dir)
     fp8 = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"]
-           if u["precision"] not in ("int4", None)]
+           if u["precision"] not in ("int4", None) and not u.get("retrieval")]
+    ret = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"] if u.get("retrieval")]
     rss = peak_rss_bytes()
     return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
                       f"{report.get('outlier_precision', 'fp8').upper()}{', rotated' if report.get('rotation') == 'hadamard' else ''} "
                       f"{' '.join(fp8)}"
+                      + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
                       + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
                       + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")
                       + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
-            "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8, "peak_rss_bytes": rss}
+            "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8,
+            "retrieval_units": ret, "peak_rss_bytes": rss}
 
 
 def peak_rss_bytes() -> int | None:

@@ -171,6 +171,37 @@ def text_documents(path) -> list[str]:
     return [text]
 
 
+def retrieval_probes(tokenizer, samples: list[list[int]], n: int = 4, length: int = 1024,
+                     seed: int = 0) -> list[dict]:
+    """n needle-in-a-haystack prompts of about `length` ids for finding a model's retrieval heads: the samples'
+    text (BOS dropped, cycled from a seeded start) with a line holding a random 5-digit key at depth (i + 0.5) / n,
+    then a question and the answer with the key. Each: ids, needle (positions of the key's copies in the text)
+    and answer (positions of the answer's key tokens). Pieces are encoded apart so that every position is known
+    by construction (no search for the key's tokens)."""
+    encode, bos = _load(tokenizer)
+    body = [t for s in samples for t in (s[1:] if bos is not None and s and s[0] == bos else s)]
+    if not body:
+        raise UserError("retrieval probes need calibration samples", key="calibration.samples")
+    rng = random.Random(f"retrieval:{seed}")
+    out = []
+    for i in range(n):
+        key = encode(" " + str(rng.randint(10000, 99999)))
+        head, mid, tail = encode(" The pass key is"), encode(". Remember it."), encode(" is the pass key.")
+        question = encode("\nWhat is the pass key? The pass key is")
+        room = max(1, length - len(head) - len(mid) - len(tail) - len(question) - 3 * len(key) - 1)
+        start = rng.randrange(len(body))
+        hay = [body[(start + j) % len(body)] for j in range(room)]
+        cut = int(room * (i + 0.5) / n)
+        ids = ([bos] if bos is not None else []) + hay[:cut] + head
+        needle = list(range(len(ids), len(ids) + len(key)))
+        ids += key + mid
+        needle += range(len(ids), len(ids) + len(key))
+        ids += key + tail + hay[cut:] + question
+        answer = list(range(len(ids), len(ids) + len(key)))
+        out.append({"ids": ids + key, "needle": needle, "answer": answer})
+    return out
+
+
 def text_windows(tokenizer, docs: list[str], length: int, n: int, seed: int = 0, what: str = "text") -> list[list[int]]:
     """n distinct sequences of exactly `length` ids (BOS first when the tokenizer has one) from `docs`."""
     return _windows(tokenizer, docs, length, n, seed, what)

@@ -68,9 +68,11 @@ def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dt
         return share * units * D * 2
     G = min(recipe.kv_cache.group_size, D)
     width = {p.name: p.payload_width(D) + 2 * (D // G) for p in PRECISIONS}  # payload + fp16 scales
-    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in the outlier precision
-        wide = n_outlier_units(recipe.kv_cache.outlier_fraction, units)
-        return share * (wide * width[recipe.kv_cache.outlier_precision] + (units - wide) * width["int4"])
+    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in INT8 / the outlier precision
+        kv = recipe.kv_cache
+        ret = n_outlier_units(kv.retrieval_fraction, units)
+        wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret)
+        return share * (ret * width["int8"] + wide * width[kv.outlier_precision] + (units - ret - wide) * width["int4"])
     return share * units * width[fmt]
 
 

@@ -43,7 +43,7 @@ class Limits(_Strict):
 class KVCache(_Strict):
     format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
     outlier_fraction: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
-        "auto", description="share of (layer, head, K|V) units kept in FP8; auto: 0.02 with exact entries, else 0.08")
+        "auto", description="share of (layer, head, K|V) units kept in FP8; auto: 0.01 with exact entries, else 0.08")
     sink_tokens: Union[Annotated[int, Field(ge=0, le=1024)], Literal["auto"]] = Field(
         "auto", description="first positions of a sequence whose K/V are also kept in FP16 and read exact; "
                             "auto: 0 (an exact sink lowered long-context passkey retrieval on SmolLM2)")
@@ -57,6 +57,10 @@ class KVCache(_Strict):
         "auto", description="store K and V Hadamard-rotated (keys centered and query-scaled first); auto: where "
                             "the head size is a power of two")
     outlier_precision: Literal["fp8", "int8"] = Field("fp8", description="precision of the outlier units")
+    retrieval_fraction: Union[Annotated[float, Field(ge=0.0, le=0.5)], Literal["auto"]] = Field(
+        "auto", description="share of units holding the keys of retrieval heads (found with needle-in-a-haystack "
+                            "probes on the calibration text) stored in INT8; auto: 0.015 for int4-fp8-outlier with "
+                            "exact entries, else 0")
 
 
 class Speculative(_Strict):
@@ -143,8 +147,11 @@ class EngineConfig(_Strict):
             kv.sink_tokens = 0
         if kv.recent_window == "auto":
             kv.recent_window = 16 if auto else 0
+        exact = bool(kv.sink_tokens or kv.recent_window)
         if kv.outlier_fraction == "auto":
-            kv.outlier_fraction = 0.02 if (kv.sink_tokens or kv.recent_window) else 0.08
+            kv.outlier_fraction = 0.01 if exact else 0.08
+        if kv.retrieval_fraction == "auto":  # measured with the exact window, where the byte budget has room
+            kv.retrieval_fraction = 0.015 if exact and kv.format == "int4-fp8-outlier" else 0.0
         return self
 
     @classmethod
