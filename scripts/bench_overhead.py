@@ -101,7 +101,7 @@ def main() -> None:
     convert_checkpoint(a.draft, tmp / "d")
     v, d = Llama.from_checkpoint(tmp / "v"), Llama.from_checkpoint(tmp / "d")
     # the plan is calibrated first (calibration backpropagates), then the models are packed as engines run on CPU
-    plan = calibrate(v, corpus.calibration_samples(tok, 16, 128), default_kv_cache())[0] \
+    plan = calibrate(v, corpus.calibration_samples(a.verifier, 16, 128), default_kv_cache(), tokenizer=a.verifier)[0] \
         if "plan" in a.rows.split(",") else None
     for m in (v, d):
         m.pack_for_cpu()

@@ -8,7 +8,8 @@ greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 wei
 own linears in bfloat16 where the CPU multiplies it natively, as engines run it; the header says so), --threads
 intra-op threads. Rows: transformers `generate` (its dynamic cache, fp32) and `generate(assistant_model=draft)`;
 bpcompile verifier-only with an FP16 cache, with the default KV plan (recipes/smollm2.yaml's kv_cache on the
-native target, calibrated here on the builtin pydoc train split) and with that plan's codes alone (`plan_codes`:
+native target, calibrated here as the build calibrates it: the same builtin pydoc train windows and retrieval
+probes, so the same plan as the recipe's engine) and with that plan's codes alone (`plan_codes`:
 its exact FP16 sink and window off); bpcompile speculation with the shipped draft (chain and dynamic trees, FP16 cache),
 with the feature draft (`feat_*`: models/smollm2/feature_draft, one layer on the verifier's hidden states; transformers
 has no assisted generation for such a draft, so its peer is assisted generation with the shipped standalone draft), and
@@ -120,7 +121,7 @@ def main() -> None:
     t = time.perf_counter()
     from bench_overhead import default_kv_cache  # this directory: the recipe's kv_cache as the native target resolves it
 
-    plan, _ = calibrate(v, corpus.calibration_samples(tok, 16, 128), default_kv_cache())
+    plan, _ = calibrate(v, corpus.calibration_samples(a.verifier, 16, 128), default_kv_cache(), tokenizer=a.verifier)
     print(f"calibrated the default plan in {time.perf_counter() - t:.0f}s ({plan.compression_vs_fp16(2048, 6):.2f}x "
           f"at 2048 tokens)",
           file=sys.stderr)

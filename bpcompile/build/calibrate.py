@@ -360,10 +360,11 @@ def _compact(layers: list) -> list:
 
 
 def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len: int = 2048,
-              lookahead: int = 6, probes: Optional[list[dict]] = None) -> tuple[KVPlan, dict]:
+              lookahead: int = 6, probes: Optional[list[dict]] = None, tokenizer=None) -> tuple[KVPlan, dict]:
     """(KVPlan, report) for the verifier. kv_config: KVCalibConfig or the recipe's kv_cache dict. seq_len,
     lookahead: what the reported compression is for (a plan with exact entries spreads them over a sequence).
-    probes: corpus.retrieval_probes, needed when the config's retrieval_fraction > 0."""
+    When the config's retrieval_fraction > 0: probes (corpus.retrieval_probes), or the tokenizer (a directory
+    or a tokenizer object) to build the default ones from the samples."""
     cfg = kv_config if isinstance(kv_config, KVCalibConfig) else KVCalibConfig.from_dict(kv_config)
     c = verifier.cfg
     if cfg.format != "int4-fp8-outlier":
@@ -376,8 +377,12 @@ def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len
         return plan, report
     retrieval = None
     if cfg.retrieval_fraction > 0:
+        if not probes and tokenizer is not None:
+            from bpcompile.build.corpus import retrieval_probes
+
+            probes = retrieval_probes(tokenizer, samples, RETRIEVAL_PROBES, RETRIEVAL_PROBE_LENGTH)
         if not probes:
-            raise UserError("retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes)",
+            raise UserError("retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes) or a tokenizer",
                             key="kv_cache.retrieval_fraction")
         retrieval = retrieval_scores(verifier, probes)
     return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
@@ -424,12 +429,7 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     length = int(cal.get("length", 128))
     verifier = Llama.from_checkpoint(verifier_ckpt_dir, dtype=None)  # the recipe's dtype
     samples = recipe_samples(tokenizer_dir, cal, calibration_file) if cfg.format == "int4-fp8-outlier" else []
-    probes = None
-    if samples and cfg.retrieval_fraction > 0:
-        from bpcompile.build.corpus import retrieval_probes
-
-        probes = retrieval_probes(tokenizer_dir, samples, RETRIEVAL_PROBES, RETRIEVAL_PROBE_LENGTH)
-    plan, report = calibrate(verifier, samples, cfg, seq_len, lookahead, probes)
+    plan, report = calibrate(verifier, samples, cfg, seq_len, lookahead, tokenizer=tokenizer_dir)
     plan.calibration["samples"] = {"n": len(samples), "length": length,
                                    "source": str(calibration_file) if calibration_file else cal.get("source")}
     plan.save(out_dir)
