@@ -380,7 +380,9 @@ def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len
         if not probes and tokenizer is not None:
             from bpcompile.build.corpus import retrieval_probes
 
-            probes = retrieval_probes(tokenizer, samples, RETRIEVAL_PROBES, RETRIEVAL_PROBE_LENGTH)
+            # no longer than the model's positions: a probe past them would measure extrapolation, not retrieval
+            probes = retrieval_probes(tokenizer, samples, RETRIEVAL_PROBES,
+                                      min(RETRIEVAL_PROBE_LENGTH, c.max_position_embeddings))
         if not probes:
             raise UserError("retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes) or a tokenizer",
                             key="kv_cache.retrieval_fraction")
