@@ -2,14 +2,15 @@
 docs/benchmarks/smollm2_pair.md §2 ("What moves the 4k departure"); each prints per-trial running counts, then
 every row against FP16 KV on the same trials (paired difference, 95% paired-bootstrap interval).
 
-    .venv/bin/python scripts/passkey_diagnostics.py sensitivity --length 4096 --trials 50 --seed 1
-    .venv/bin/python scripts/passkey_diagnostics.py calibration --length 4096 --trials 50 --seed 1
-    .venv/bin/python scripts/passkey_diagnostics.py noise --length 4096 --trials 50 --seed 1
-    .venv/bin/python scripts/passkey_diagnostics.py heads --length 4096 --trials 50 --seed 1   # and --seed 2
-    .venv/bin/python scripts/passkey_diagnostics.py candidates --length 4096 --trials 100 --seed 0   # and 2048, ...
+    .venv/bin/python scripts/passkey_diagnostics.py sensitivity --engine ENGINE --length 4096 --trials 50 --seed 1
+    .venv/bin/python scripts/passkey_diagnostics.py calibration --engine ENGINE --length 4096 --trials 50 --seed 1
+    .venv/bin/python scripts/passkey_diagnostics.py noise --engine ENGINE --length 4096 --trials 50 --seed 1
+    .venv/bin/python scripts/passkey_diagnostics.py heads --engine ENGINE --length 4096 --trials 50 --seed 1   # and --seed 2
+    .venv/bin/python scripts/passkey_diagnostics.py candidates --engine ENGINE --length 4096 --trials 100 --seed 0   # and 2048, ...
 
-The engine's plan here is the one before retrieval units (a version built with `kv_cache.retrieval_fraction: 0`,
-the other kv_cache keys auto: INT4 with 4 FP8 units and a 16-position window); pass it with --engine.
+The engine's plan here is the one before retrieval units: build a version of recipes/smollm2.yaml with
+`kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
+16-position window) and pass it with --engine; a plan with INT8 units is refused.
 
 sensitivity: the engine's plan with parts (keys, values, a third of the layers) kept and the rest stored in INT8.
 calibration: plans recalibrated on 8 x 1024 tokens and/or without INT4 clipping (outlier fraction 0.02, window 16).
@@ -151,7 +152,7 @@ def noise_answer(verifier, kv, prefix, plan, mode, tokens=E.PASSKEY_ANSWER_TOKEN
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates"))
-    ap.add_argument("--engine", default=str(ROOT / "engines/smollm2/1"))
+    ap.add_argument("--engine", required=True, help="engine version with the plan before retrieval units")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
@@ -166,6 +167,8 @@ def main() -> int:
     v = Llama.from_checkpoint(d / "verifier", dtype=None)
     tok = AutoTokenizer.from_pretrained(d / "tokenizer")
     plan = KVPlan.load(d / "kv_plan")
+    if any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"]):
+        ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
     rows = {"fp16": greedy(E._as_plans(v, {"f": "fp16"})["f"])}
     if a.experiment == "sensitivity":
