@@ -7,8 +7,10 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py noise --engine ENGINE --length 4096 --trials 50 --seed 1
     .venv/bin/python scripts/passkey_diagnostics.py heads --engine ENGINE --length 4096 --trials 50 --seed 1   # and --seed 2
     .venv/bin/python scripts/passkey_diagnostics.py candidates --engine ENGINE --length 4096 --trials 100 --seed 0   # and 2048, ...
+    .venv/bin/python scripts/passkey_diagnostics.py window --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py budget --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
 
-The engine's plan here is the one before retrieval units: build a version of recipes/smollm2.yaml with
+For the first five, the engine's plan is the one before retrieval units: build a version of recipes/smollm2.yaml with
 `kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
 16-position window) and pass it with --engine; a plan with INT8 units is refused.
 
@@ -23,6 +25,13 @@ plan with the keys of the top 3 / 6 / 10 stored in INT8, with all, none or 2 of 
 candidates: the top 3's keys in INT8 with 4, 3 or 2 FP8 units and windows 12, 14, 16 (each >= 3.5x allocated);
 the last is what `bpcompile build recipes/smollm2.yaml` now calibrates (the same codes). Run with --seed 0, the
 trials `bpcompile eval` draws. Seed 1 keeps these trials apart from `bpcompile eval`'s.
+
+The last two start from the default engine (`bpcompile build recipes/smollm2.yaml`: INT8 retrieval keys, FP16 window)
+and first print each row's fidelity on eval's 16 x 256 held-out windows (--trials 0: fidelity only):
+window: the plan's exact window read for the keys only or for the values only (the other half read as stored), and
+the keys' window in one band of layers only (values' window everywhere; fidelity only).
+budget: plans recalibrated as the build does (its samples and retrieval probes) that trade the window against FP8
+and INT8 units within 3.5x: window 32 / 24 / 16 / 14 / 12 with none, 2 FP8 or 3-7 INT8 units.
 """
 from __future__ import annotations
 
@@ -149,10 +158,59 @@ def noise_answer(verifier, kv, prefix, plan, mode, tokens=E.PASSKEY_ANSWER_TOKEN
     return out
 
 
+def split_window(keys, values):
+    """A stand-in for eval's attend_exact (the reference attention over a plan with exact entries) that reads the
+    exact copies for the keys only where keys(layer) holds and for the values only where values(layer) holds; the
+    other half of each window entry is read as stored. eval calls attention once per layer in order (prefill of
+    a batch, then each decode step), so a call counter modulo the layer count is the layer."""
+    calls = [0]
+
+    def attend(q, kh, vh, k, v, plan, q_pos, k_pos, visible):
+        layer = calls[0] % plan.num_layers
+        calls[0] += 1
+        ex = E.exact_reads(q_pos, k_pos, plan.sink_tokens, plan.recent_window) & visible  # [T, N]
+        exk, exv = (ex if use(layer) else torch.zeros_like(ex) for use in (keys, values))
+        rep = q.shape[2] // k.shape[2]
+        R = lambda x: x.repeat_interleave(rep, 2)  # noqa: E731  [B, N, KV, D] -> [B, N, H, D]
+        ke, ve = (x.half().to(q.dtype) for x in (k, v))  # the exact copies are FP16
+        qs = q * q.shape[-1] ** -0.5
+        s = torch.where(exk[None], torch.einsum("bthd,bnhd->bhtn", qs, R(ke)),
+                        torch.einsum("bthd,bnhd->bhtn", qs, R(kh)))
+        p = torch.softmax(s.masked_fill(~visible[None], float("-inf")), -1)
+        return (torch.einsum("bhtn,bnhd->bthd", p * ~exv[None], R(vh))
+                + torch.einsum("bhtn,bnhd->bthd", p * exv[None], R(ve))).to(q.dtype)
+    return attend
+
+
+def patched(attend, fn):
+    """fn with eval's attend_exact replaced by `attend` while it runs."""
+    def run(*args):
+        orig, E.attend_exact = E.attend_exact, attend
+        try:
+            return fn(*args)
+        finally:
+            E.attend_exact = orig
+    return run
+
+
+def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
+    """eval's fidelity rows (16 x 256 held-out windows, FP16 KV the reference) of each plan, through its attention."""
+    from bpcompile.build.corpus import text_windows
+
+    windows = text_windows(tok_dir / "tokenizer.json", E._text(None)[0], 256, 16, 0, "eval text")
+    base = E.evaluate(v, {"fp16": "fp16"}, windows)["rows"][0]["ppl"]
+    for name, p in plans.items():
+        r = patched(attends.get(name, E.attend_exact), E.evaluate)(v, {name: p}, windows)
+        x = r["rows"][-1]
+        print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, ppl {x['ppl']:.3f} ({x['ppl'] / base - 1:+.2%} vs FP16 KV), "
+              f"top-1 {x['top1_agreement']:.2%}, KL {x['kl_vs_fp16']:.5f}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates"))
-    ap.add_argument("--engine", required=True, help="engine version with the plan before retrieval units")
+    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates", "window", "budget"))
+    ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
+                    "the default engine)")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
@@ -167,7 +225,10 @@ def main() -> int:
     v = Llama.from_checkpoint(d / "verifier", dtype=None)
     tok = AutoTokenizer.from_pretrained(d / "tokenizer")
     plan = KVPlan.load(d / "kv_plan")
-    if any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"]):
+    has_int8 = any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"])
+    if a.experiment in ("window", "budget") and not (has_int8 and plan.recent_window):
+        ap.error(f"{d}: {a.experiment} starts from the default plan (INT8 retrieval keys and an exact window)")
+    if a.experiment not in ("window", "budget") and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
     rows = {"fp16": greedy(E._as_plans(v, {"f": "fp16"})["f"])}
@@ -185,6 +246,32 @@ def main() -> int:
                         "3 FP8 units, window 14": replace(with_units(plan, top, keep_fp8=3), recent_window=14),
                         "2 FP8 units, window 16": with_units(plan, top, keep_fp8=2)}.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
+            rows[name] = greedy(p)
+    elif a.experiment == "window":
+        every = lambda layer: True  # noqa: E731
+        parts = {"plan, window for keys only": split_window(every, lambda layer: False),
+                 "plan, window for values only": split_window(lambda layer: False, every)}
+        bands = {f"plan, keys' window in layers {lo}-{hi - 1} only": split_window(lambda layer, lo=lo, hi=hi: lo <= layer < hi, every)
+                 for lo, hi in ((0, 10), (10, 20), (20, 30), (0, 15), (15, 30))}
+        fidelity(v, d / "tokenizer", {"plan": plan} | {n: plan for n in parts | bands}, parts | bands)
+        rows["plan"] = greedy(plan)
+        for name, att in parts.items():
+            rows[name] = patched(att, greedy(plan))
+    elif a.experiment == "budget":  # recalibrated as the build does, other trades within 3.5x
+        from bpcompile.build.calibrate import (RETRIEVAL_PROBE_LENGTH, RETRIEVAL_PROBES, recipe_samples)
+        from bpcompile.build.corpus import retrieval_probes
+
+        samples = recipe_samples(d / "tokenizer", {"samples": 16, "length": 128})
+        sc = retrieval_scores(v, retrieval_probes(d / "tokenizer", samples, RETRIEVAL_PROBES,
+                                                  min(RETRIEVAL_PROBE_LENGTH, v.cfg.max_position_embeddings)))
+        m = measure_units(v, samples, KVCalibConfig(outlier_fraction=0.01, group_size=64))
+        plans, U = {}, 2 * v.cfg.num_layers * v.cfg.num_kv_heads
+        for window, fp8, int8 in ((16, 0.01, 3), (32, 0, 0), (24, 0.01, 0), (24, 0, 3), (16, 0, 5), (14, 0, 6), (12, 0, 7)):
+            name = f"window {window}, {round(fp8 * U)} FP8, {int8} INT8 units"
+            plans[name] = plan_from_measurement(m, v.cfg, fp8, recent_window=window, retrieval=sc,
+                                                retrieval_fraction=int8 / U)[0]
+        fidelity(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
             rows[name] = greedy(p)
     elif a.experiment == "heads":
         t0 = time.perf_counter()
@@ -218,6 +305,8 @@ def main() -> int:
             rows["plan"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "plain")
             rows["plan, logits corrected"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "corr")
             rows["fp16 keys + plan's key error, random signs"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "signflip")
+    if a.trials == 0:
+        return 0
     hits = {n: [] for n in rows}
     t0 = time.perf_counter()
     for i, t in enumerate(E.passkey_trials(tok, a.length, a.trials, a.seed)):
