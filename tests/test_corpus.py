@@ -13,8 +13,9 @@ SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    """A real byte-level BPE tokenizer.json (vocab 512) on the train split; `<s>` is id 1 as in the shipped one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A real byte-level BPE tokenizer.json (vocab 512) on the train split; it puts `<s>` (id 1) before a text, as
+    the shipped one does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -22,6 +23,7 @@ def tok_dir(tmp_path_factory) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus.train_documents()[:10], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     d = tmp_path_factory.mktemp("tok")
     tok.save(str(d / "tokenizer.json"))
     return d

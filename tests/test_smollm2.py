@@ -48,6 +48,23 @@ def test_shipped_feature_draft_is_small_and_fits_the_verifier():
 
 
 @needs_verifier
+def test_corpus_windows_carry_the_tokenizer_s_own_bos_from_a_directory_or_transformers():
+    """SmolLM2's tokenizer puts nothing before a text (its bos_token, <|im_start|>, opens a chat turn): calibration
+    windows have no BOS whether the build passes the tokenizer directory or a script passes transformers' tokenizer,
+    so both calibrate the same plan."""
+    from transformers import AutoTokenizer
+
+    from bpcompile.build import corpus
+
+    hf = AutoTokenizer.from_pretrained(VERIFIER)
+    assert hf.bos_token_id == 1 and hf("a").input_ids == hf("a", add_special_tokens=False).input_ids
+    by_dir = corpus.calibration_samples(VERIFIER, 4, 32)
+    assert by_dir == corpus.calibration_samples(hf, 4, 32)
+    assert all(len(s) == 32 and 1 not in s for s in by_dir)
+    assert all(hf.decode(s) in corpus.train_text() for s in by_dir)
+
+
+@needs_verifier
 def test_draft_tokenizer_is_the_verifier_s():
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (DRAFT / f).read_bytes() == (VERIFIER / f).read_bytes(), f

@@ -105,7 +105,10 @@ def fingerprint() -> str:
 # ---- token helpers ---------------------------------------------------------------------------
 
 def _load(tokenizer):
-    """-> (encode(text) -> ids without special tokens, BOS id or None)."""
+    """-> (encode(text) -> ids without special tokens, BOS id or None). The BOS is the special token the tokenizer
+    itself puts before a text (tokenizer.json's post-processor; a slow tokenizer's add_special_tokens), so a
+    tokenizer directory and the same tokenizer loaded by transformers give the same windows. SmolLM2's adds none
+    (its bos_token, <|im_start|>, opens a chat turn, not a text); the tiny pair's and Llama's add theirs."""
     if isinstance(tokenizer, (str, Path)):
         path = Path(tokenizer)
         if path.is_dir():
@@ -115,14 +118,15 @@ def _load(tokenizer):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(path))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None and hasattr(tokenizer, "token_to_id"):  # a bare tokenizers.Tokenizer has no BOS notion
-        bos = tokenizer.token_to_id("<s>")
     # transformers fast tokenizers: encode with the Rust backend (no max-length warnings on whole documents)
     rust = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if hasattr(rust, "encode_batch"):
-        return (lambda text: rust.encode(text, add_special_tokens=False).ids), bos
-    return (lambda text: list(tokenizer.encode(text, add_special_tokens=False))), bos
+        encode = lambda text, special=False: rust.encode(text, add_special_tokens=special).ids  # noqa: E731
+    else:
+        encode = lambda text, special=False: list(tokenizer.encode(text, add_special_tokens=special))  # noqa: E731
+    plain, full = encode("a"), encode("a", True)
+    bos = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
+    return encode, bos
 
 
 def _windows(tokenizer, docs: list[str], length: int, n: int, seed: int, what: str) -> list[list[int]]:
