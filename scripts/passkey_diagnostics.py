@@ -28,8 +28,9 @@ trials `bpcompile eval` draws. Seed 1 keeps these trials apart from `bpcompile e
 
 The last two start from the default engine (`bpcompile build recipes/smollm2.yaml`: INT8 retrieval keys, FP16 window)
 and first print each row's fidelity on eval's 16 x 256 held-out windows (--trials 0: fidelity only):
-window: the plan's exact window read for the keys only or for the values only (the other half read as stored), and
-the keys' window in one band of layers only (values' window everywhere; fidelity only).
+window: the plan's exact window read for the keys only or for the values only (the other half read as stored), the
+keys' window shortened to 4 or 8 positions, and the keys' window in one band of layers only (values' window
+everywhere; fidelity only).
 budget: plans recalibrated as the build does (its samples and retrieval probes) that trade the window against FP8
 and INT8 units within 3.5x: window 32 / 24 / 16 / 14 / 12 with none, 2 FP8 or 3-7 INT8 units.
 """
@@ -158,10 +159,11 @@ def noise_answer(verifier, kv, prefix, plan, mode, tokens=E.PASSKEY_ANSWER_TOKEN
     return out
 
 
-def split_window(keys, values):
+def split_window(keys, values, key_window=None):
     """A stand-in for eval's attend_exact (the reference attention over a plan with exact entries) that reads the
     exact copies for the keys only where keys(layer) holds and for the values only where values(layer) holds; the
-    other half of each window entry is read as stored. eval calls attention once per layer in order (prefill of
+    other half of each window entry is read as stored. key_window: the keys' window is only that many positions
+    (the values' stays the plan's). eval calls attention once per layer in order (prefill of
     a batch, then each decode step), so a call counter modulo the layer count is the layer."""
     calls = [0]
 
@@ -169,7 +171,8 @@ def split_window(keys, values):
         layer = calls[0] % plan.num_layers
         calls[0] += 1
         ex = E.exact_reads(q_pos, k_pos, plan.sink_tokens, plan.recent_window) & visible  # [T, N]
-        exk, exv = (ex if use(layer) else torch.zeros_like(ex) for use in (keys, values))
+        exk = E.exact_reads(q_pos, k_pos, plan.sink_tokens, key_window) & visible if key_window is not None else ex
+        exk, exv = (x if use(layer) else torch.zeros_like(x) for x, use in ((exk, keys), (ex, values)))
         rep = q.shape[2] // k.shape[2]
         R = lambda x: x.repeat_interleave(rep, 2)  # noqa: E731  [B, N, KV, D] -> [B, N, H, D]
         ke, ve = (x.half().to(q.dtype) for x in (k, v))  # the exact copies are FP16
@@ -250,7 +253,9 @@ def main() -> int:
     elif a.experiment == "window":
         every = lambda layer: True  # noqa: E731
         parts = {"plan, window for keys only": split_window(every, lambda layer: False),
-                 "plan, window for values only": split_window(lambda layer: False, every)}
+                 "plan, window for values only": split_window(lambda layer: False, every),
+                 "plan, keys' window 4 positions": split_window(every, every, key_window=4),
+                 "plan, keys' window 8 positions": split_window(every, every, key_window=8)}
         bands = {f"plan, keys' window in layers {lo}-{hi - 1} only": split_window(lambda layer, lo=lo, hi=hi: lo <= layer < hi, every)
                  for lo, hi in ((0, 10), (10, 20), (20, 30), (0, 15), (15, 30))}
         fidelity(v, d / "tokenizer", {"plan": plan} | {n: plan for n in parts | bands}, parts | bands)
