@@ -9,6 +9,10 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py candidates --engine ENGINE --length 4096 --trials 100 --seed 0   # and 2048, ...
     .venv/bin/python scripts/passkey_diagnostics.py window --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py budget --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py lowbits --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py lowbits-bands --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py lowbits-window --engine engines/smollm2/1 --trials 0
+    .venv/bin/python scripts/passkey_diagnostics.py lowbits-drop --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
 
 For the first five, the engine's plan is the one before retrieval units: build a version of recipes/smollm2.yaml with
 `kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
@@ -33,6 +37,18 @@ keys' window shortened to 4 or 8 positions, and the keys' window in one band of 
 everywhere; fidelity only).
 budget: plans recalibrated as the build does (its samples and retrieval probes) that trade the window against FP8
 and INT8 units within 3.5x: window 32 / 24 / 16 / 14 / 12 with none, 2 FP8 or 3-7 INT8 units.
+
+The lowbits experiments (also from the default engine) ask whether the middle layers' keys in INT8, which the
+thirteenth session's rows say keep the model's 4k behaviour, can be paid for by values below 4 bits. The format,
+kernels and plugin have no such precision: `register_lowbit_values` adds 2- and 3-bit value codecs to the store's
+registry in this process only, so these plans run through eval's own oracle (`greedy_answer`, `evaluate`).
+lowbits: the keys of layers 10-19 in INT8 alone, with values in INT3, with INT3 and the least sensitive in INT2 to
+3.5x, with INT2 to 3.5x (and those INT2 values under the default's keys; fidelity only for the INT2-only rows).
+lowbits-bands: a narrower band of INT8 keys (11-18, 12-17, 13-16) paid for by INT3 values, each at 3.5x.
+lowbits-window: the 10-19 band with INT3 values (absmax scale) and a window of 0, 2 or 4 positions to reach 3.5x.
+lowbits-drop: the 10-19 band with INT3 values, the fewest of its keys back in INT4 that 3.5x takes, chosen by the
+lowest retrieval score or the lowest Fisher error.
+--length takes several lengths (comma-separated) and --rows keeps only the named rows besides fp16.
 """
 from __future__ import annotations
 
@@ -185,6 +201,84 @@ def split_window(keys, values, key_window=None):
     return attend
 
 
+def register_lowbit_values() -> None:
+    """Register 2- and 3-bit unit precisions in the store's registry for this process only (the format, kernels
+    and plugin have neither): a uniform grid without a zero, (n - (2^b - 1) / 2) * s, n = 0 .. 2^b - 1, packed
+    (3 bytes per 8 levels for 3 bits), one fp16 scale per group set from the group's RMS to the step that
+    minimizes a Gaussian's squared error (0.996 and 0.586 sigma). After the Hadamard rotation a value group of 64
+    is close to Gaussian, so an RMS scale beats an absmax one at so few levels. "int3-absmax": the 3-bit grid with
+    s = 0.8 absmax / 3.5 instead, the same squared error on a Gaussian group of 64 (0.035 sigma^2) and the form a
+    kernel can compute bit for bit (a maximum does not depend on the order of a reduction)."""
+    from bpcompile.runtime import kvcache as C
+
+    def codec(bits, step):
+        top = 2 ** bits - 1
+
+        def encode(x, group_size, clip, decoded):
+            xg = C._groups(x.float(), group_size)
+            if step is None:  # absmax x 0.8 / 3.5: as good on a Gaussian group of 64, and order-exact in a kernel
+                s = C.fp16_scale(xg.abs().amax(-1) * (0.8 / (top / 2)))
+            else:
+                s = C.fp16_scale(xg.pow(2).mean(-1).sqrt() * step)
+            n = (C._divide(xg, s) + top / 2).round().clamp(0, top).reshape(x.shape).to(torch.int32)
+            payload = pack(n)
+            return payload, s, decode(payload, s, group_size) if decoded else None
+
+        def pack(n):
+            if bits == 2:
+                h = n.shape[-1] // 4
+                return (n[..., :h] | n[..., h:2 * h] << 2 | n[..., 2 * h:3 * h] << 4 | n[..., 3 * h:] << 6).to(torch.uint8)
+            w = (n.reshape(*n.shape[:-1], -1, 8) << (3 * torch.arange(8, device=n.device))).sum(-1)
+            return torch.stack([(w >> (8 * i)) & 255 for i in range(3)], -1).reshape(*n.shape[:-1], -1).to(torch.uint8)
+
+        def decode(payload, scales, group_size):
+            b = payload.to(torch.int32)
+            if bits == 2:
+                n = torch.cat([(b >> (2 * i)) & 3 for i in range(4)], -1)
+            else:
+                w = (b.reshape(*b.shape[:-1], -1, 3) << (8 * torch.arange(3, device=b.device))).sum(-1)
+                n = torch.stack([(w >> (3 * i)) & 7 for i in range(8)], -1).reshape(*b.shape[:-1], -1)
+            q = n.float() - top / 2
+            return (C._groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+        return encode, decode
+
+    if "int2" in C.PRECISION_CODES:
+        return
+    new = []
+    for code, (name, bits, step) in enumerate((("int2", 2, 0.996), ("int3", 3, 0.586), ("int3-absmax", 3, None)),
+                                              start=len(C.PRECISIONS)):
+        enc, dec = codec(bits, step)
+        new.append(C.UnitPrecision(name, code, torch.uint8, lambda d, b=bits: d * b // 8, enc, dec))
+    C.PRECISIONS = C.PRECISIONS + tuple(new)
+    for prec in new:
+        C.BY_CODE[prec.code], C.PRECISION_CODES[prec.name] = prec, prec.code
+
+
+def lowbit_values(plan: KVPlan, cfg, key_layers, precision: str, base: str = "int4", window: int | None = None,
+                  keep_fp8: bool = True) -> KVPlan:
+    """plan with the keys of key_layers in INT8, its INT4 value units in `base` and, least sensitive first (the
+    calibration's fisher_error at INT4), as many of them in `precision` as it takes to get back to >= 3.5x
+    allocated. window: another exact window; keep_fp8=False: its FP8 units in INT4 (keys) or `base` (values)."""
+    p = deepcopy(plan)
+    if window is not None:
+        p.recent_window = window
+    if not keep_fp8:
+        for layer in p.precision:
+            layer["k"] = ["int4" if x == "fp8" else x for x in layer["k"]]
+            layer["v"] = ["int4" if x == "fp8" else x for x in layer["v"]]
+    for layer in key_layers:
+        p.precision[layer]["k"] = ["int8"] * p.num_kv_heads
+    for layer in p.precision:
+        layer["v"] = [base if x == "int4" else x for x in layer["v"]]
+    values = sorted((u["fisher_error"], lay["layer"], u["head"]) for lay in plan.calibration["layers"]
+                    for u in lay["units"] if u["kind"] == "v" and u["precision"] == "int4")
+    for _, layer, head in values:
+        if precision == base or E.allocated_compression(p, cfg) >= 3.5:
+            break
+        p.precision[layer]["v"][head] = precision
+    return p
+
+
 def patched(attend, fn):
     """fn with eval's attend_exact replaced by `attend` while it runs."""
     def run(*args):
@@ -211,14 +305,18 @@ def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates", "window", "budget"))
+    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates", "window", "budget",
+                                                  "lowbits", "lowbits-bands", "lowbits-window",
+                                                  "lowbits-drop"))
     ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
                     "the default engine)")
-    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--length", default="4096", help="prompt length in tokens, or several, comma-separated")
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first SKIP of the trials (run earlier)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default=None, help="heads: only these rows (exact names, ;-separated)")
+    ap.add_argument("--rows", default=None, help="only these rows besides fp16 (exact names, ;-separated)")
+    ap.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the held-out fidelity rows")
     ap.add_argument("--out", default=None, help="write the per-trial outcomes here (JSON)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -229,10 +327,11 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(d / "tokenizer")
     plan = KVPlan.load(d / "kv_plan")
     has_int8 = any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"])
-    if a.experiment in ("window", "budget") and not (has_int8 and plan.recent_window):
+    if a.experiment in ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop") and not (has_int8 and plan.recent_window):
         ap.error(f"{d}: {a.experiment} starts from the default plan (INT8 retrieval keys and an exact window)")
-    if a.experiment not in ("window", "budget") and has_int8:
+    if a.experiment not in ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop") and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
+    show = fidelity if a.fidelity else (lambda *args: None)
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
     rows = {"fp16": greedy(E._as_plans(v, {"f": "fp16"})["f"])}
     if a.experiment == "sensitivity":
@@ -258,7 +357,7 @@ def main() -> int:
                  "plan, keys' window 8 positions": split_window(every, every, key_window=8)}
         bands = {f"plan, keys' window in layers {lo}-{hi - 1} only": split_window(lambda layer, lo=lo, hi=hi: lo <= layer < hi, every)
                  for lo, hi in ((0, 10), (10, 20), (20, 30), (0, 15), (15, 30))}
-        fidelity(v, d / "tokenizer", {"plan": plan} | {n: plan for n in parts | bands}, parts | bands)
+        show(v, d / "tokenizer", {"plan": plan} | {n: plan for n in parts | bands}, parts | bands)
         rows["plan"] = greedy(plan)
         for name, att in parts.items():
             rows[name] = patched(att, greedy(plan))
@@ -275,7 +374,65 @@ def main() -> int:
             name = f"window {window}, {round(fp8 * U)} FP8, {int8} INT8 units"
             plans[name] = plan_from_measurement(m, v.cfg, fp8, recent_window=window, retrieval=sc,
                                                 retrieval_fraction=int8 / U)[0]
-        fidelity(v, d / "tokenizer", plans, {})
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "lowbits":  # near-INT8 keys where retrieval moves, paid for by values below 4 bits
+        register_lowbit_values()
+        middle, K = range(10, 20), "plan, keys of layers 10-19 in INT8"
+        plans = {K: lowbit_values(plan, v.cfg, middle, "int4"),
+                 f"{K}, values in INT3": lowbit_values(plan, v.cfg, middle, "int3", base="int3"),
+                 f"{K}, values in INT3, the least sensitive in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2", base="int3"),
+                 f"{K}, values in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2")}
+        controls = deepcopy(plan)  # the last row's values, the default plan's keys
+        for layer, lay in enumerate(plans[f"{K}, values in INT2 to 3.5x"].precision):
+            controls.precision[layer]["v"] = list(lay["v"])
+        plans["plan, values in INT2 as in the last row, keys as stored"] = controls
+        for name, p in plans.items():
+            n = {c: sum(x == c for layer in p.precision for x in layer["v"]) for c in ("int3", "int2")}
+            print(f"{name}: value units {n}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        rows["plan"] = greedy(plan)
+        for name in list(plans)[:3]:  # the INT2-only rows fail the held-out bars
+            rows[name] = greedy(plans[name])
+    elif a.experiment == "lowbits-bands":  # within 3.5x: INT8 keys in a narrower band, values INT3 to pay
+        register_lowbit_values()
+        plans = {}
+        for lo, hi in ((11, 19), (12, 18), (13, 17)):
+            p = plans[f"plan, keys of layers {lo}-{hi - 1} in INT8, values in INT3 to 3.5x"] = lowbit_values(
+                plan, v.cfg, range(lo, hi), "int3")
+            print(f"layers {lo}-{hi - 1}: value units in INT3", sum(x == "int3" for layer in p.precision for x in layer["v"]), flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "lowbits-window":  # within 3.5x: the keys of layers 10-19 in INT8, values in INT3, a shorter window
+        register_lowbit_values()
+        K = "plan, keys of layers 10-19 in INT8, values in INT3"
+        plans = {f"{K} (absmax scale)": lowbit_values(plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax")}
+        for window, fp8 in ((0, True), (2, False), (4, False)):
+            plans[f"{K} (absmax scale), window {window}{'' if fp8 else ', no FP8 units'}"] = lowbit_values(
+                plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax", window=window, keep_fp8=fp8)
+        show(v, d / "tokenizer", plans, {})
+        for name in list(plans)[1:]:
+            rows[name] = greedy(plans[name])
+    elif a.experiment == "lowbits-drop":  # within 3.5x: values in INT3, the keys of layers 10-19 in INT8 but the
+        # fewest of them back in INT4 that it takes, the least retrieving or the least sensitive first
+        register_lowbit_values()
+        units = {(lay["layer"], u["head"]): u for lay in plan.calibration["layers"] for u in lay["units"]
+                 if u["kind"] == "k" and 10 <= lay["layer"] < 20}
+        plans = {}
+        for by in ("retrieval_score", "fisher_error"):
+            p = lowbit_values(plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax")
+            dropped = []
+            for key in sorted(units, key=lambda x: units[x][by]):
+                if E.allocated_compression(p, v.cfg) >= 3.5:
+                    break
+                if plan.precision[key[0]]["k"][key[1]] == "int4":  # the plan's own FP8 / INT8 keys stay
+                    p.precision[key[0]]["k"][key[1]] = "int4"
+                    dropped.append(f"L{key[0]}.k{key[1]}")
+            print(f"by {by}: keys back in INT4", dropped, flush=True)
+            plans[f"plan, keys of layers 10-19 in INT8 but the lowest {by} back in INT4, values in INT3 (absmax scale)"] = p
+        show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
     elif a.experiment == "heads":
@@ -288,7 +445,6 @@ def main() -> int:
             variants[f"plan, keys of the top {k} retrieval units in INT8"] = with_units(plan, order[:k])
             variants[f"plan without FP8, keys of the top {k} retrieval units in INT8"] = with_units(plan, order[:k], keep_fp8=0)
         variants["plan with 2 FP8 units, keys of the top 3 retrieval units in INT8"] = with_units(plan, order[:3], keep_fp8=2)
-        variants = {n: p for n, p in variants.items() if not a.rows or n in a.rows.split(";")}
         for name, p in variants.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
             rows[name] = greedy(p)
@@ -310,20 +466,27 @@ def main() -> int:
             rows["plan"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "plain")
             rows["plan, logits corrected"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "corr")
             rows["fp16 keys + plan's key error, random signs"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "signflip")
+    if a.rows:
+        rows = {n: f for n, f in rows.items() if n == "fp16" or n in a.rows.split(";")}
     if a.trials == 0:
         return 0
-    hits = {n: [] for n in rows}
-    t0 = time.perf_counter()
-    for i, t in enumerate(E.passkey_trials(tok, a.length, a.trials, a.seed)):
-        ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
-        kv = E._prefix_kv(v, ids[:P])
-        for name, answer in rows.items():
-            hits[name].append(int(E.key_in(tok.decode(answer(kv, ids[P:ks])), t["key"])))
-        print(i, f"{time.perf_counter() - t0:.0f}s", {n: sum(h) for n, h in hits.items()}, flush=True)
-        if a.out:
-            Path(a.out).write_text(json.dumps(hits))
-    for name, h in hits.items():
-        print(f"{name}: {sum(h)}/{len(h)}", E.paired_difference(h, hits["fp16"], a.seed) if name != "fp16" else "")
+    outcomes = {}  # length -> row -> per-trial 0/1
+    for length in (int(x) for x in a.length.split(",")):
+        hits = outcomes[length] = {n: [] for n in rows}
+        t0 = time.perf_counter()
+        for i, t in enumerate(E.passkey_trials(tok, length, a.trials, a.seed)):
+            if i < a.skip:
+                continue
+            ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
+            kv = E._prefix_kv(v, ids[:P])
+            for name, answer in rows.items():
+                hits[name].append(int(E.key_in(tok.decode(answer(kv, ids[P:ks])), t["key"])))
+            print(length, i, f"{time.perf_counter() - t0:.0f}s", {n: sum(h) for n, h in hits.items()}, flush=True)
+            if a.out:
+                Path(a.out).write_text(json.dumps(outcomes))
+        for name, h in hits.items():
+            print(f"{length} tokens, {name}: {sum(h)}/{len(h)}",
+                  E.paired_difference(h, hits["fp16"], a.seed) if name != "fp16" else "", flush=True)
     return 0
 
 
