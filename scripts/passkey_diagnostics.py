@@ -303,11 +303,13 @@ def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
               f"top-1 {x['top1_agreement']:.2%}, KL {x['kl_vs_fp16']:.5f}", flush=True)
 
 
+# the experiments that start from the default engine (INT8 retrieval keys and an exact window)
+FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates", "window", "budget",
-                                                  "lowbits", "lowbits-bands", "lowbits-window",
-                                                  "lowbits-drop"))
+    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates") + FROM_DEFAULT)
     ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
                     "the default engine)")
     ap.add_argument("--length", default="4096", help="prompt length in tokens, or several, comma-separated")
@@ -327,9 +329,9 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(d / "tokenizer")
     plan = KVPlan.load(d / "kv_plan")
     has_int8 = any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"])
-    if a.experiment in ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop") and not (has_int8 and plan.recent_window):
+    if a.experiment in FROM_DEFAULT and not (has_int8 and plan.recent_window):
         ap.error(f"{d}: {a.experiment} starts from the default plan (INT8 retrieval keys and an exact window)")
-    if a.experiment not in ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop") and has_int8:
+    if a.experiment not in FROM_DEFAULT and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     show = fidelity if a.fidelity else (lambda *args: None)
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
