@@ -30,7 +30,7 @@ candidates: the top 3's keys in INT8 with 4, 3 or 2 FP8 units and windows 12, 14
 the last is what `bpcompile build recipes/smollm2.yaml` now calibrates (the same codes). Run with --seed 0, the
 trials `bpcompile eval` draws. Seed 1 keeps these trials apart from `bpcompile eval`'s.
 
-The last two start from the default engine (`bpcompile build recipes/smollm2.yaml`: INT8 retrieval keys, FP16 window)
+window and budget start from the default engine (`bpcompile build recipes/smollm2.yaml`: INT8 retrieval keys, FP16 window)
 and first print each row's fidelity on eval's 16 x 256 held-out windows (--trials 0: fidelity only):
 window: the plan's exact window read for the keys only or for the values only (the other half read as stored), the
 keys' window shortened to 4 or 8 positions, and the keys' window in one band of layers only (values' window
@@ -259,21 +259,18 @@ def lowbit_values(plan: KVPlan, cfg, key_layers, precision: str, base: str = "in
     """plan with the keys of key_layers in INT8, its INT4 value units in `base` and, least sensitive first (the
     calibration's fisher_error at INT4), as many of them in `precision` as it takes to get back to >= 3.5x
     allocated. window: another exact window; keep_fp8=False: its FP8 units in INT4 (keys) or `base` (values)."""
-    p = deepcopy(plan)
+    p = with_units(plan, [(layer, h) for layer in key_layers for h in range(plan.num_kv_heads)],
+                   keep_fp8=None if keep_fp8 else 0)
     if window is not None:
         p.recent_window = window
-    if not keep_fp8:
-        for layer in p.precision:
-            layer["k"] = ["int4" if x == "fp8" else x for x in layer["k"]]
-            layer["v"] = ["int4" if x == "fp8" else x for x in layer["v"]]
-    for layer in key_layers:
-        p.precision[layer]["k"] = ["int8"] * p.num_kv_heads
     for layer in p.precision:
         layer["v"] = [base if x == "int4" else x for x in layer["v"]]
+    if precision == base:
+        return p
     values = sorted((u["fisher_error"], lay["layer"], u["head"]) for lay in plan.calibration["layers"]
                     for u in lay["units"] if u["kind"] == "v" and u["precision"] == "int4")
     for _, layer, head in values:
-        if precision == base or E.allocated_compression(p, cfg) >= 3.5:
+        if E.allocated_compression(p, cfg) >= 3.5:
             break
         p.precision[layer]["v"][head] = precision
     return p
