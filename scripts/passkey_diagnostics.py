@@ -13,6 +13,8 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py lowbits-bands --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py lowbits-window --engine engines/smollm2/1 --trials 0
     .venv/bin/python scripts/passkey_diagnostics.py lowbits-drop --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py midbits --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py midbits-budget --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
 
 For the first five, the engine's plan is the one before retrieval units: build a version of recipes/smollm2.yaml with
 `kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
@@ -30,7 +32,8 @@ candidates: the top 3's keys in INT8 with 4, 3 or 2 FP8 units and windows 12, 14
 the last is what `bpcompile build recipes/smollm2.yaml` now calibrates (the same codes). Run with --seed 0, the
 trials `bpcompile eval` draws. Seed 1 keeps these trials apart from `bpcompile eval`'s.
 
-window and budget start from the default engine (`bpcompile build recipes/smollm2.yaml`: INT8 retrieval keys, FP16 window)
+window and budget start from the default engine of the fifteenth to seventeenth sessions (INT8 retrieval keys, FP16
+window 16; `bpcompile build recipes/smollm2.yaml` with `kv_cache: {int5_keys: none}` builds it)
 and first print each row's fidelity on eval's 16 x 256 held-out windows (--trials 0: fidelity only):
 window: the plan's exact window read for the keys only or for the values only (the other half read as stored), the
 keys' window shortened to 4 or 8 positions, and the keys' window in one band of layers only (values' window
@@ -38,7 +41,7 @@ everywhere; fidelity only).
 budget: plans recalibrated as the build does (its samples and retrieval probes) that trade the window against FP8
 and INT8 units within 3.5x: window 32 / 24 / 16 / 14 / 12 with none, 2 FP8 or 3-7 INT8 units.
 
-The lowbits experiments (also from the default engine) ask whether the middle layers' keys in INT8, which the
+The lowbits experiments (also from that engine) ask whether the middle layers' keys in INT8, which the
 thirteenth session's rows say keep the model's 4k behaviour, can be paid for by values below 4 bits. The format,
 kernels and plugin have no such precision: `register_lowbit_values` adds 2- and 3-bit value codecs to the store's
 registry in this process only, so these plans run through eval's own oracle (`greedy_answer`, `evaluate`).
@@ -48,6 +51,15 @@ lowbits-bands: a narrower band of INT8 keys (11-18, 12-17, 13-16) paid for by IN
 lowbits-window: the 10-19 band with INT3 values (absmax scale) and a window of 0, 2 or 4 positions to reach 3.5x.
 lowbits-drop: the 10-19 band with INT3 values, the fewest of its keys back in INT4 that 3.5x takes, chosen by the
 lowest retrieval score or the lowest Fisher error.
+midbits: the keys of layers 10-19 in INT6 or INT5 instead of INT8 (values as the plan has them), and in INT5 with the
+lowest-retrieval-score ones back in INT4 to 3.5x. INT5 is a precision of the format (code 3); INT6 is registered
+here, process-local, like the 2- and 3-bit codecs.
+midbits-budget: the keys of layers 10-19 in INT5 within 3.5x: with or without the plan's FP8 values, its other INT8
+keys in INT5 or INT4, and the longest exact window that 3.5x leaves (`int5_band`). The second row (no FP8 values,
+the other keys INT4, window 10) is what `bpcompile build recipes/smollm2.yaml` now calibrates (the same codes).
+These two start from the engine of the previous default (3 INT8 retrieval keys, 2 FP8 units, window 16), built
+with `kv_cache: {int5_keys: none}`.
+
 --length takes several lengths (comma-separated) and --rows keeps only the named rows besides fp16.
 """
 from __future__ import annotations
@@ -242,12 +254,31 @@ def register_lowbit_values() -> None:
             return (C._groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
         return encode, decode
 
+    def symmetric(bits):  # INT4's grid with more levels: s = fp16(amax / qmax), n = rne(x / s) + 2^(b-1), 8 per b bytes
+        qmax, zero = 2 ** (bits - 1) - 1, 2 ** (bits - 1)
+
+        def encode(x, group_size, clip, decoded):
+            xg, s = C._scales(x, group_size, qmax)
+            n = (C.round_half_even(C._divide(xg, s)).clamp(-qmax, qmax) + zero).reshape(x.shape).to(torch.int64)
+            w = (n.reshape(*n.shape[:-1], -1, 8) << (bits * torch.arange(8, device=n.device))).sum(-1)
+            payload = torch.stack([(w >> (8 * i)) & 255 for i in range(bits)], -1).reshape(*n.shape[:-1], -1).to(torch.uint8)
+            return payload, s, decode(payload, s, group_size) if decoded else None
+
+        def decode(payload, scales, group_size):
+            b = payload.to(torch.int64)
+            w = (b.reshape(*b.shape[:-1], -1, bits) << (8 * torch.arange(bits, device=b.device))).sum(-1)
+            n = torch.stack([(w >> (bits * i)) & (2 ** bits - 1) for i in range(8)], -1).reshape(*b.shape[:-1], -1)
+            q = n.float() - zero
+            return (C._groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+        return encode, decode
+
     if "int2" in C.PRECISION_CODES:
         return
     new = []
-    for code, (name, bits, step) in enumerate((("int2", 2, 0.996), ("int3", 3, 0.586), ("int3-absmax", 3, None)),
+    for code, (name, bits, step) in enumerate((("int2", 2, 0.996), ("int3", 3, 0.586), ("int3-absmax", 3, None),
+                                               ("int6", 6, "symmetric")),
                                               start=len(C.PRECISIONS)):
-        enc, dec = codec(bits, step)
+        enc, dec = symmetric(bits) if step == "symmetric" else codec(bits, step)
         new.append(C.UnitPrecision(name, code, torch.uint8, lambda d, b=bits: d * b // 8, enc, dec))
     C.PRECISIONS = C.PRECISIONS + tuple(new)
     for prec in new:
@@ -276,6 +307,25 @@ def lowbit_values(plan: KVPlan, cfg, key_layers, precision: str, base: str = "in
     return p
 
 
+def int5_band(plan: KVPlan, cfg, extra_keys=(), fp8_values: bool = True) -> KVPlan:
+    """plan with the keys of layers 10-19 and of extra_keys [(layer, head)] in INT5; its other INT8 keys in INT4
+    (at the clip calibration found for them) and, unless fp8_values, its FP8 values too; then the longest exact
+    window (multiple of 2, at most 16) that keeps >= 3.5x allocated."""
+    band = [(layer, h) for layer in range(10, 20) for h in range(plan.num_kv_heads)]
+    p = with_units(plan, band + list(extra_keys), "int5")
+    for lay in plan.calibration["layers"]:
+        for u in lay["units"]:
+            layer, kv, h = lay["layer"], u["kind"], u["head"]
+            if p.precision[layer][kv][h] == "int8" or (p.precision[layer][kv][h] == "fp8" and not fp8_values):
+                p.precision[layer][kv][h] = "int4"
+                p.int4_clip[layer, 0 if kv == "k" else 1, h] = u["clip"]
+    for window in range(16, -1, -2):
+        p.recent_window = window
+        if E.allocated_compression(p, cfg) >= 3.5:
+            break
+    return p
+
+
 def patched(attend, fn):
     """fn with eval's attend_exact replaced by `attend` while it runs."""
     def run(*args):
@@ -300,8 +350,9 @@ def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
               f"top-1 {x['top1_agreement']:.2%}, KL {x['kl_vs_fp16']:.5f}", flush=True)
 
 
-# the experiments that start from the default engine (INT8 retrieval keys and an exact window)
-FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop")
+# the experiments that start from the previous default engine (INT8 retrieval keys and an exact window)
+FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop", "midbits",
+                "midbits-budget")
 
 
 def main() -> int:
@@ -327,7 +378,8 @@ def main() -> int:
     plan = KVPlan.load(d / "kv_plan")
     has_int8 = any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"])
     if a.experiment in FROM_DEFAULT and not (has_int8 and plan.recent_window):
-        ap.error(f"{d}: {a.experiment} starts from the default plan (INT8 retrieval keys and an exact window)")
+        ap.error(f"{d}: {a.experiment} starts from the plan before INT5 keys (INT8 retrieval keys and an exact window: "
+                 "build recipes/smollm2.yaml with kv_cache: {int5_keys: none})")
     if a.experiment not in FROM_DEFAULT and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     show = fidelity if a.fidelity else (lambda *args: None)
@@ -431,6 +483,38 @@ def main() -> int:
                     dropped.append(f"L{key[0]}.k{key[1]}")
             print(f"by {by}: keys back in INT4", dropped, flush=True)
             plans[f"plan, keys of layers 10-19 in INT8 but the lowest {by} back in INT4, values in INT3 (absmax scale)"] = p
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "midbits":  # the keys of layers 10-19 in 5 or 6 bits instead of 8, values as they are
+        register_lowbit_values()
+        band = [(layer, h) for layer in range(10, 20) for h in range(plan.num_kv_heads)]
+        plans = {f"plan, keys of layers 10-19 in {b.upper()}": with_units(plan, band, b) for b in ("int6", "int5")}
+        score = {(lay["layer"], u["head"]): u["retrieval_score"] for lay in plan.calibration["layers"]
+                 for u in lay["units"] if u["kind"] == "k"}
+        p, dropped = with_units(plan, band, "int5"), []
+        for key in sorted((k for k in band if plan.precision[k[0]]["k"][k[1]] == "int4"), key=score.get):
+            if E.allocated_compression(p, v.cfg) >= 3.5:
+                break
+            p.precision[key[0]]["k"][key[1]] = "int4"
+            dropped.append(f"L{key[0]}.k{key[1]}")
+        plans["plan, keys of layers 10-19 in INT5 but the lowest retrieval scores back in INT4 to 3.5x"] = p
+        print("keys back in INT4:", dropped, flush=True)
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "midbits-budget":  # INT5 keys in layers 10-19 within 3.5x: what else stays, which window
+        register_lowbit_values()
+        plans = {}
+        for extra, fp8, what in (((), True, "FP8 values kept"), ((), False, "no FP8 values"),
+                                 (((21, 2), (23, 0)), True, "retrieval keys L21.k2 L23.k0 in INT5, FP8 values kept"),
+                                 (((21, 2), (23, 0)), False, "retrieval keys L21.k2 L23.k0 in INT5, no FP8 values")):
+            p = int5_band(plan, v.cfg, extra, fp8)
+            plans[f"keys of layers 10-19 in INT5, {what}, window {p.recent_window}"] = p
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)

@@ -268,6 +268,17 @@ def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_pat
     assert sorted(want) == fp8 and sum(x == "fp8" for p in alone.precision for x in p["k"] + p["v"]) == 3
     # bytes per token: 2 INT8 + 3 FP8 units of (16 + 2) bytes, 7 INT4 units of (8 + 2)
     assert plan.bytes_per_token() == 5 * 18 + 7 * 10
+    # INT5 keys (the middle third of 3 layers: layer 1) come first; retrieval and FP8 units among the rest
+    p5, rep5 = plan_from_measurement(m, model.cfg, 0.25, retrieval=score, retrieval_fraction=1 / 12, int5_keys="middle")
+    assert p5.precision[1]["k"] == ["int5", "int5"] and rep5["int5_units"] == 2
+    assert p5.precision[2]["k"][1] == "int8" and rep5["retrieval_units"] == 1  # (1, 0) scores higher but is INT5
+    assert sum(x == "fp8" for p in p5.precision for x in p["k"] + p["v"]) == 3
+    # 2 INT5 units of (10 + 2) bytes, 1 INT8 and 3 FP8 of (16 + 2), 6 INT4 of (8 + 2)
+    assert p5.bytes_per_token() == 2 * 12 + 4 * 18 + 6 * 10
+    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "int5_keys": "middle"},
+                                 {"samples": 2, "length": 24}, tmp_path / "kv5")
+    assert "keys of layers 1-1 INT5" in res["detail"] and not res["fp8_units"][0].startswith("L1.k")
+    assert KVPlan.load(tmp_path / "kv5").precision[1]["k"] == ["int5", "int5"]
     res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "retrieval_fraction": 0.1},
                                  {"samples": 2, "length": 24}, tmp_path / "kv")
     assert len(res["retrieval_units"]) == 1 and "retrieval keys INT8" in res["detail"]

@@ -16,12 +16,12 @@ from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
 from bpcompile.build import aot, plugin  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
-from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
+from bpcompile.runtime.kvcache import FP8, INT4, INT5, INT8  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402
 
 L, KV, D = 2, 2, 64
-# every unit kind present: INT4 and FP8 (the shipped format) plus one INT8 unit; K and V of one head may differ
-PRECISION = [{"k": ["int4", "fp8"], "v": ["fp8", "int4"]}, {"k": ["int8", "int4"], "v": ["int4", "int4"]}]
+# every unit kind present: INT4 and FP8, an INT8 unit and INT5 units; K and V of one head may differ
+PRECISION = [{"k": ["int4", "fp8"], "v": ["fp8", "int4"]}, {"k": ["int8", "int5"], "v": ["int5", "int4"]}]
 
 
 def make_store(group_size: int, num_pages: int = 24, page_size: int = 16, seed: int = 0,
@@ -102,7 +102,8 @@ def test_quantize_append_is_bit_exact(group_size, dtype, rotation):
         ref.write(layer, slots, k, v)
         K.quantize_append(ker, layer, slots, k, v)
     assert same_bytes(ref, ker)
-    assert ref.scales[INT4].abs().sum() > 0 and ref.payload[FP8].sum() > 0 and ref.payload[INT8].abs().sum() > 0  # every pool was written
+    assert ref.scales[INT4].abs().sum() > 0 and ref.payload[FP8].sum() > 0 and ref.payload[INT8].abs().sum() > 0
+    assert ref.payload[INT5].sum() > 0  # every pool was written
 
 
 def test_fp8_encoding_edge_values_match_torch():

@@ -7,8 +7,9 @@ import torch
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
 from bpcompile.runtime.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
-                               dequantize_int4, dequantize_int8, encode_fp8_e4m3, fake_quantize, kv_store_factory,
-                               make_kv_store, pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
+                               dequantize_int4, dequantize_int5, dequantize_int8, encode_fp8_e4m3, fake_quantize,
+                               kv_store_factory, make_kv_store, pack_int4, pack_int5, quantize_fp8, quantize_int4,
+                               quantize_int5, quantize_int8, unpack_int4, unpack_int5)
 from bpcompile.runtime.model import ModelConfig
 
 # the shipped tiny verifier's shape: 4 layers x 2 KV heads x head 64
@@ -25,10 +26,16 @@ def test_int4_nibble_order_half_split():
     assert torch.equal(unpack_int4(pack_int4(r)), r)
 
 
-def test_int4_codes_and_error_bound():
+def _spread_values() -> torch.Tensor:
+    """[64, 3, 64] Gaussian values over six decades of scale, and an all-zero group of 32 at [0, 0, :32]."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3, 64, generator=g) * torch.logspace(-3, 3, 64)[:, None, None]
-    x[0, 0, :32] = 0  # an all-zero group
+    x[0, 0, :32] = 0
+    return x
+
+
+def test_int4_codes_and_error_bound():
+    x = _spread_values()
     packed, s = quantize_int4(x, 32)
     assert packed.shape == (64, 3, 32) and s.shape == (64, 3, 2) and s.dtype == torch.float16
     nib = unpack_int4(packed)
@@ -55,6 +62,33 @@ def test_int4_clip_saturates():
     assert s.item() == 1.0  # 0.5 * 14 / 7
     # x / s = 14 (saturates at 7), 1, -2.5 and 0.5 (ties: to even)
     assert (unpack_int4(packed).int() - 8).tolist() == [[7, 1, -2, 0]]
+
+
+def test_int5_layout_nibbles_then_high_bit_plane():
+    # D = 16: bytes 0..7 are INT4's nibble pairs of the low 4 bits, bytes 8..9 the plane of bit 4, where bit b of
+    # byte 8 + i is element i + 2b
+    n = torch.zeros(16, dtype=torch.uint8)
+    n[13] = 31  # element 13 = 1 + 2 * 6: low nibble 15 in the high nibble of byte 5, bit 6 of plane byte 9
+    n[2] = 16  # element 2 = 0 + 2 * 1: only bit 4 set, bit 1 of plane byte 8
+    b = pack_int5(n)
+    assert b.shape == (10,) and b.tolist() == [0, 0, 0, 0, 0, 0xF0, 0, 0, 0b10, 0b1000000]
+    r = torch.randint(0, 32, (3, 5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int5(pack_int5(r)), r)
+
+
+def test_int5_codes_are_the_nearest_of_31_levels():
+    x = _spread_values()
+    packed, s = quantize_int5(x, 32)
+    assert packed.shape == (64, 3, 40) and s.shape == (64, 3, 2)
+    codes = unpack_int5(packed)
+    assert codes.min() == 1 and codes.max() == 31 and (codes[0, 0, :32] == 16).all() and s[0, 0, 0] == 0
+    assert torch.equal(s, (x.abs().reshape(64, 3, 2, 32).amax(-1) / 15).half())
+    y = dequantize_int5(packed, s, 32)
+    sg = s.float().repeat_interleave(32, -1)
+    levels = torch.arange(-15, 16).float()[None, None, None, :] * sg[..., None]
+    inner = x.abs() < 14.5 * sg  # away from the clamp, where fp16 rounding of the scale can matter
+    nearest = levels.gather(-1, (x[..., None] - levels).abs().argmin(-1, keepdim=True))[..., 0]
+    assert torch.equal(y[inner], nearest[inner]) and inner.float().mean() > 0.9
 
 
 def _e4m3_probe_values() -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_exact_entries_add_their_copies_per_sequence():
     recipe at tp 8, 80 layers x 1 KV head x K|V x 128 x 2 bytes x (1 + 16 + 6) per sequence, 64 sequences."""
     base = _recipe_70b()
     models = {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}}
-    kv = {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16}
+    kv = {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16, "int5_keys": "none"}
     exact = {**base, "models": models, "kv_cache": {**kv, "retrieval_fraction": 0.0}}
     p0 = plan(Recipe.model_validate({**base, "models": models}), _spec(L70), _spec(L1B), DEVICES["h200"])
     p1 = plan(Recipe.model_validate(exact), _spec(L70), _spec(L1B), DEVICES["h200"])
@@ -85,6 +85,11 @@ def test_exact_entries_add_their_copies_per_sequence():
     # instead of INT4, 64 more payload bytes each per token, an eighth of them on this rank
     p2 = plan(Recipe.model_validate({**base, "models": models, "kv_cache": kv}), _spec(L70), _spec(L1B), DEVICES["h200"])
     assert p2["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 19 * 64 / 8
+    # int5_keys' auto with a window: the keys of the middle third of the 80 layers (27-52: 26 x 8 units) in INT5,
+    # 16 more payload bytes each than INT4 (80 against 64 at head 128), and no INT8 retrieval units
+    p3 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto"}}), _spec(L70), _spec(L1B),
+              DEVICES["h200"])
+    assert p3["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 26 * 8 * 16 / 8
 
 
 def test_small_config_by_hand():

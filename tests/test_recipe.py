@@ -35,21 +35,25 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
     assert code == 0, out
 
 
-@pytest.mark.parametrize("target,executor,fmt,want", [
-    # the default: an exact window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
-    ("native", "torch", "int4-fp8-outlier", (0, 16, 0.01, 0.015)),
-    ("native", "onnxruntime", "int4-fp8-outlier", (0, 0, 0.08, 0.0)),  # the graphs do not read exact entries
-    ("tensorrt", "torch", "int4-fp8-outlier", (0, 0, 0.08, 0.0)),  # nor does the TensorRT plugin
-    ("native", "torch", "int8", (0, 0, 0.08, 0.0)),  # auto turns them on for the INT4 format only
-    ("native", "torch", "fp16", (0, 0, 0.08, 0.0)),
+@pytest.mark.parametrize("target,executor,fmt,extra,want", [
+    # the default: a 10-position exact window and the middle third of the layers' keys in INT5, nothing else
+    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle")),
+    # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
+    ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none")),
+    # without a window: no INT5 keys either (they are what keeps 4k retrieval next to exact recent keys)
+    ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none")),
+    ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none")),  # the graphs do not read exact entries
+    ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none")),  # nor does the TensorRT plugin
+    ("native", "torch", "int8", {}, (0, 0, 0.08, 0.0, "none")),  # auto turns them on for the INT4 format only
+    ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none")),
 ])
-def test_kv_cache_autos_resolve_per_target(target, executor, fmt, want):
+def test_kv_cache_autos_resolve_per_target(target, executor, fmt, extra, want):
     from bpcompile.core.engine import EngineConfig
 
     e = EngineConfig.model_validate({"name": "t", "target": target, "runtime": {"executor": executor},
-                                     "kv_cache": {"format": fmt}})
+                                     "kv_cache": {"format": fmt, **extra}})
     kv = e.kv_cache
-    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction) == want
+    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction, kv.int5_keys) == want
     assert EngineConfig.model_validate_json(e.model_dump_json()).kv_cache == kv  # engine.json keeps them resolved
 
 
@@ -69,6 +73,7 @@ def test_shipped_recipes_parse():
     ("target: onnx\n", "target", "target", "native"),
     ("kv_cache: {format: int8, recent_window: 8}\nruntime: {executor: onnxruntime}\n", "kv_cache.recent_window",
      "kv_cache", "torch executor only"),
+    ("kv_cache: {format: fp8, int5_keys: middle}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
 ])
 def test_bad_values_exit_2_naming_key_and_line(tmp_path, pair, extra, key, line_of, expect):
     text = write_recipe(tmp_path / "r.yaml", *pair).read_text()

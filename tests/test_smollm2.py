@@ -159,14 +159,14 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     plan = KVPlan.load(Path(out["path"]) / "kv_plan")
-    # the recipe's autos on the native target: a 16-token FP16 window (no sink), 1% FP8 units and the keys of the
-    # 3 units (1.5% of 180) that attend most to a needle in INT8; >= 3.5x with the window's copies counted at the
-    # recipe's 2048 tokens and dynamic tree of 5 (6 entries a step)
-    assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 16)
+    # the recipe's autos on the native target: a 10-token FP16 window (no sink) and the keys of layers 10-19 (the
+    # middle third) in INT5, every other unit INT4; >= 3.5x with the window's copies counted at the recipe's 2048
+    # tokens and dynamic tree of 5 (6 entries a step)
+    assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 10)
     assert plan.compression_vs_fp16(2048, 6) >= 3.5
-    assert sum(x == "fp8" for layer in plan.precision for t in "kv" for x in layer[t]) == 2
-    int8 = {(i, t, h) for i, layer in enumerate(plan.precision) for t in "kv" for h, x in enumerate(layer[t]) if x == "int8"}
-    assert int8 == {(18, "k", 2), (21, "k", 2), (23, "k", 0)}, int8  # also the top 3 on eval's passkey prompts
+    wide = {(i, t, h, x) for i, layer in enumerate(plan.precision) for t in "kv" for h, x in enumerate(layer[t])
+            if x != "int4"}
+    assert wide == {(i, "k", h, "int5") for i in range(10, 20) for h in range(3)}, wide
     res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "What is the capital of France?",
                                     "--max-tokens", "16", "--json"])
     assert res.exit_code == 0, res.output

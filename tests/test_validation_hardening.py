@@ -201,6 +201,7 @@ def test_kv_pool_that_does_not_fit_in_memory_is_refused(tmp_path, pair):
 
 
 def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
+    from bpcompile.build.calibrate import int5_key_layers
     from bpcompile.build.hf import read_hf_config
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
     import torch
@@ -226,9 +227,17 @@ def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
         factory = float_store_factory(torch.float16)  # what Generator.from_engine gives format fp16
         if fmt != "fp16":
             plan = KVPlan.uniform(fmt, vcfg.num_layers, vcfg.num_kv_heads, vcfg.head_size, group_size=16)
-            plan.precision[0]["k"][0] = "fp8"  # 1 of 4 units in FP8: outlier_fraction 0.25
-            # the recipe's autos on the native target: an FP16 window, whose copies the estimate counts
-            assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window) == (0, 16)
+            # the recipe's autos on the native target: an FP16 window, whose copies the estimate counts, and the
+            # middle third of the layers' keys in INT5
+            assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window, r.kv_cache.int5_keys) == (0, 10, "middle")
+            for layer in int5_key_layers("middle", vcfg.num_layers):
+                plan.precision[layer]["k"] = ["int5"] * vcfg.num_kv_heads
+            # then outlier_fraction 0.25 of the units in FP8, among the rest
+            n = round(0.25 * 2 * vcfg.num_layers * vcfg.num_kv_heads)
+            rest = [(layer, t, h) for layer in range(vcfg.num_layers) for t in "kv" for h in range(vcfg.num_kv_heads)
+                    if plan.precision[layer][t][h] == "int4"]
+            for layer, t, h in rest[:n]:
+                plan.precision[layer][t][h] = "fp8"
             plan.sink_tokens, plan.recent_window = r.kv_cache.sink_tokens, r.kv_cache.recent_window
             factory = kv_store_factory(plan)
         gen = Generator(models["verifier"], models["draft"], TreeSpec(r.speculative.tree, nodes=r.speculative.nodes),

@@ -30,12 +30,12 @@ from bpcompile.runtime.kvcache import PRECISIONS
 
 _ARG_TYPES = {  # kernel argument -> Triton signature type; {dt} is the activation dtype (fp16 / bf16)
     "K": "*{dt}", "V": "*{dt}", "Q": "*{dt}", "Out": "*{dt}", "slots": "*i64",
-    "q4": "*u8", "s4": "*fp16", "q8": "*u8", "s8": "*fp16", "qi8": "*u8", "si8": "*fp16",
+    "q4": "*u8", "s4": "*fp16", "q8": "*u8", "s8": "*fp16", "qi8": "*u8", "si8": "*fp16", "q5": "*u8", "s5": "*fp16",
     "unit_precision": "*i8", "unit_index": "*i32", "k_channel_scale": "*fp32", "int4_clip": "*fp32",
     "part_acc": "*fp32", "part_ml": "*fp32", "block_tables": "*i32", "context_lens": "*i32",
     "tree_mask": "*i32", "num_tree": "*i32", "num_q": "*i32", "src": "*u8", "dst": "*u8", "src_index": "*i64", "dst_index": "*i64",
 }
-_ALIGNED = {"K", "V", "Q", "Out", "q4", "s4", "q8", "s8", "qi8", "si8", "part_acc", "part_ml"}  # 16-byte aligned
+_ALIGNED = {"K", "V", "Q", "Out", "q4", "s4", "q8", "s8", "qi8", "si8", "q5", "s5", "part_acc", "part_ml"}  # 16-byte aligned
 _C_TYPES = {"i8": "int8_t", "i32": "int32_t", "i64": "int64_t", "u8": "uint8_t", "fp32": "float"}
 _KERNELS = {"quantize_append": "_quantize_append_kernel", "paged_attention": "_paged_attention_kernel",
             "combine_splits": "_combine_splits_kernel", "copy_rows": "_copy_rows_kernel"}

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from bpcompile.build.calibrate import n_outlier_units
+from bpcompile.build.calibrate import int5_key_layers, n_outlier_units
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import PRECISIONS
 from bpcompile.runtime.paged_kv import cache_pages, pages_per_sequence
@@ -68,11 +68,13 @@ def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dt
         return share * units * D * 2
     G = min(recipe.kv_cache.group_size, D)
     width = {p.name: p.payload_width(D) + 2 * (D // G) for p in PRECISIONS}  # payload + fp16 scales
-    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in INT8 / the outlier precision
+    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in INT5 / INT8 / the outlier precision
         kv = recipe.kv_cache
-        ret = n_outlier_units(kv.retrieval_fraction, units)
-        wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret)
-        return share * (ret * width["int8"] + wide * width[kv.outlier_precision] + (units - ret - wide) * width["int4"])
+        i5 = len(int5_key_layers(kv.int5_keys, L)) * KV
+        ret = min(n_outlier_units(kv.retrieval_fraction, units), L * KV - i5)
+        wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret - i5)
+        return share * (i5 * width["int5"] + ret * width["int8"] + wide * width[kv.outlier_precision]
+                        + (units - i5 - ret - wide) * width["int4"])
     return share * units * width[fmt]
 
 

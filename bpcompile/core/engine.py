@@ -43,14 +43,15 @@ class Limits(_Strict):
 class KVCache(_Strict):
     format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
     outlier_fraction: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
-        "auto", description="share of (layer, head, K|V) units kept in FP8; auto: 0.01 with exact entries, else 0.08")
+        "auto", description="share of (layer, head, K|V) units kept in FP8; auto: 0 with INT5 keys, 0.01 with "
+                            "exact entries, else 0.08")
     sink_tokens: Union[Annotated[int, Field(ge=0, le=1024)], Literal["auto"]] = Field(
         "auto", description="first positions of a sequence whose K/V are also kept in FP16 and read exact; "
                             "auto: 0 (an exact sink lowered long-context passkey retrieval on SmolLM2)")
     recent_window: Union[Annotated[int, Field(ge=0, le=4096)], Literal["auto"]] = Field(
         "auto", description="a query reads the K/V of the newest positions up to its own (this many, itself "
-                            "included) from an FP16 copy; auto: 16 for int4-fp8-outlier on the native target with "
-                            "the torch executor, else 0")
+                            "included) from an FP16 copy; auto: for int4-fp8-outlier on the native target with "
+                            "the torch executor 10 with INT5 keys (what 3.5x leaves on SmolLM2) or 16 without, else 0")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
     rotation: Literal["auto", "hadamard", "none"] = Field(
@@ -60,7 +61,17 @@ class KVCache(_Strict):
     retrieval_fraction: Union[Annotated[float, Field(ge=0.0, le=0.5)], Literal["auto"]] = Field(
         "auto", description="share of units holding the keys of retrieval heads (found with needle-in-a-haystack "
                             "probes on the calibration text) stored in INT8; auto: 0.015 for int4-fp8-outlier with "
-                            "exact entries, else 0")
+                            "exact entries and no INT5 keys, else 0")
+    int5_keys: Literal["auto", "middle", "none"] = Field(
+        "auto", description="keys stored in INT5: 'middle' = those of the middle third of the layers. auto: middle "
+                            "for int4-fp8-outlier with an exact window (on SmolLM2 INT4 noise in those keys, next "
+                            "to exact recent keys, changed what the model retrieves from 4k tokens back), else none")
+
+    @model_validator(mode="after")
+    def _int5_with_int4(self):
+        if self.int5_keys == "middle" and self.format != "int4-fp8-outlier":
+            raise ValueError(f"int5_keys: middle needs format int4-fp8-outlier, not {self.format}")
+        return self
 
 
 class Speculative(_Strict):
@@ -145,13 +156,16 @@ class EngineConfig(_Strict):
         auto = exact_ok and kv.format == "int4-fp8-outlier"
         if kv.sink_tokens == "auto":  # off: on SmolLM2 an exact sink cost passkey retrieval at 2k tokens
             kv.sink_tokens = 0
-        if kv.recent_window == "auto":
-            kv.recent_window = 16 if auto else 0
+        if kv.int5_keys == "auto":  # measured with the exact window: INT5 middle keys keep 4k retrieval as FP16's
+            kv.int5_keys = "middle" if auto and kv.recent_window != 0 else "none"
+        int5 = kv.int5_keys == "middle"
+        if kv.recent_window == "auto":  # with INT5 keys, what keeps the plan at >= 3.5x on SmolLM2 (2048 tokens)
+            kv.recent_window = (10 if int5 else 16) if auto else 0
         exact = bool(kv.sink_tokens or kv.recent_window)
-        if kv.outlier_fraction == "auto":
-            kv.outlier_fraction = 0.01 if exact else 0.08
+        if kv.outlier_fraction == "auto":  # INT5 keys take the bytes FP8 units would (and beat them on SmolLM2)
+            kv.outlier_fraction = 0.0 if int5 else 0.01 if exact else 0.08
         if kv.retrieval_fraction == "auto":  # measured with the exact window, where the byte budget has room
-            kv.retrieval_fraction = 0.015 if exact and kv.format == "int4-fp8-outlier" else 0.0
+            kv.retrieval_fraction = 0.015 if exact and kv.format == "int4-fp8-outlier" and not int5 else 0.0
         return self
 
     @classmethod

@@ -39,7 +39,7 @@ import triton.language as tl  # noqa: E402
 
 from bpcompile.kernels.tree_mask import pack_bool_mask  # noqa: E402
 
-# Unit precision codes (bpcompile.runtime.kvcache): 0 = INT4, 1 = FP8, 2 = INT8. Kernels use the literals: a
+# Unit precision codes (bpcompile.runtime.kvcache): 0 = INT4, 1 = FP8, 2 = INT8, 3 = INT5. Kernels use the literals: a
 # Triton kernel cannot read plain module globals (the interpreter allows it, the compiler does not).
 
 
@@ -52,13 +52,14 @@ from bpcompile.kernels.tree_mask import pack_bool_mask  # noqa: E402
 def _quantize_append_kernel(
         K, V, stride_kn, stride_kh, stride_vn, stride_vh,  # new keys/values [N, KVH, D], last dim contiguous
         slots, N,  # flat slots [N] int64
-        q4, s4, q8, s8, qi8, si8, U4, U8, Ui8,  # pools: payload as uint8, scales fp16 ([P, U, PAGE, ...])
+        q4, s4, q8, s8, qi8, si8, q5, s5, U4, U8, Ui8, U5,  # pools: payload as uint8, scales fp16 ([P, U, PAGE, ...])
         unit_precision, unit_index, k_channel_scale, int4_clip,  # static tables [L, 2, KVH] / [L, KVH, D]
         layer, KVH,
         PAGE: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program = BLOCK_T tokens of one unit (K or V of one KV head). Every operation follows
     docs/KV_FORMAT.md §3 in fp32 with IEEE division (div_rn), so the bytes equal the oracle's."""
     HALF: tl.constexpr = D // 2
+    EIGHTH: tl.constexpr = D // 8
     NG: tl.constexpr = D // GS
     pid_t = tl.program_id(0)
     unit = tl.program_id(1)  # kv * KVH + head
@@ -95,7 +96,7 @@ def _quantize_append_kernel(
     in_hi = (((j + HALF) // GS)[None, :] == g[:, None])[None, :, :]
     amax = tl.maximum(tl.max(tl.where(in_lo, tl.abs(x_lo)[:, None, :], 0.0), axis=2),
                       tl.max(tl.where(in_hi, tl.abs(x_hi)[:, None, :], 0.0), axis=2))  # [T, NG]
-    qmax = tl.where(prec == 0, 7.0, tl.where(prec == 1, 448.0, 127.0))
+    qmax = tl.where(prec == 0, 7.0, tl.where(prec == 1, 448.0, tl.where(prec == 2, 127.0, 15.0)))
     amax = tl.where(prec == 0, clip * amax, amax)  # the clip ratio applies to INT4 units only
     s = tl.minimum(tl.math.div_rn(amax, qmax), 65504.0).to(tl.float16)  # fp16(...), RNE, saturating
     sf = s.to(tl.float32)
@@ -125,33 +126,53 @@ def _quantize_append_kernel(
             code = tl.where(a < 0.015625, sub, normal) | sign
             tl.store(q8 + base[:, None] * D + h * HALF + j[None, :], code.to(tl.uint8), mask=m2)
         tl.store(s8 + base[:, None] * NG + g[None, :], s, mask=m2)
-    else:
+    elif prec == 2:
         base = (page * Ui8 + idx) * PAGE + off
         for h in tl.static_range(2):
             y = tl.minimum(tl.maximum(y_lo if h == 0 else y_hi, -127.0), 127.0)
             q = ((y + 12582912.0) - 12582912.0).to(tl.int32)
             tl.store(qi8 + base[:, None] * D + h * HALF + j[None, :], (q & 0xFF).to(tl.uint8), mask=m2)
         tl.store(si8 + base[:, None] * NG + g[None, :], s, mask=m2)
+    else:  # INT5: the low 4 bits packed as INT4's nibbles, then the plane of high bits (§3)
+        base = (page * U5 + idx) * PAGE + off
+        ROW: tl.constexpr = HALF + EIGHTH
+        n_lo = ((tl.minimum(tl.maximum(y_lo, -15.0), 15.0) + 12582912.0) - 12582912.0 + 16.0).to(tl.int32)
+        n_hi = ((tl.minimum(tl.maximum(y_hi, -15.0), 15.0) + 12582912.0) - 12582912.0 + 16.0).to(tl.int32)
+        tl.store(q5 + base[:, None] * ROW + j[None, :], ((n_lo & 15) | ((n_hi & 15) << 4)).to(tl.uint8), mask=m2)
+        # plane byte i: bit b is bit 4 of element i + b * D/8 (low half: b = j // (D/8), high half: 4 + that);
+        # a [T, D/8, D/2] select-and-sum gathers them (one non-zero term per bit, so the sum is an OR)
+        pe = tl.arange(0, EIGHTH)
+        bit = (j // EIGHTH)[None, :]
+        bits = ((n_lo >> 4) << bit) | ((n_hi >> 4) << (bit + 4))  # [T, HALF]
+        plane = tl.sum(tl.where(((j % EIGHTH)[None, :] == pe[:, None])[None, :, :], bits[:, None, :], 0), axis=2)
+        tl.store(q5 + base[:, None] * ROW + HALF + pe[None, :], plane.to(tl.uint8), mask=m2)
+        tl.store(s5 + base[:, None] * NG + g[None, :], s, mask=m2)
 
 
 @triton.jit
-def _by_precision(prec, int4, fp8, int8):
+def _by_precision(prec, int4, fp8, int8, int5):
     """A unit's pool (or unit count) by its precision code."""
-    return tl.where(prec == 0, int4, tl.where(prec == 1, fp8, int8))
+    return tl.where(prec == 0, int4, tl.where(prec == 1, fp8, tl.where(prec == 2, int8, int5)))
 
 
 @triton.jit
-def _codes(b_lo, b_hi, prec):
-    """Payload bytes of a row's low and high halves -> its codes as fp16 (exact), before the scales."""
+def _codes(b_lo, b_hi, b_x, sh, prec):
+    """Payload bytes of a row's low and high halves -> its codes as fp16 (exact), before the scales. INT5 also
+    reads b_x, the high-bit plane byte of each element (bit sh for the low half, sh + 4 for the high half)."""
     if prec == 0:  # nibble n -> fp16 1024 + n by bit pattern, minus 1032 = n - 8 (no int->float convert)
         lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
         hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
     elif prec == 1:
         lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:  # int8 q: (q + 128) -> 1024 + q + 128, minus 1152
+    elif prec == 2:  # int8 q: (q + 128) -> 1024 + q + 128, minus 1152
         lo = ((b_lo ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
         hi = ((b_hi ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    else:  # int5 code n = nibble | high bit << 4 -> 1024 + n, minus 1040 = n - 16
+        x = b_x.to(tl.uint16)
+        s = sh.to(tl.uint16)[None, :]
+        lo = ((b_lo & 15).to(tl.uint16) | (((x >> s) & 1) << 4) | 0x6400).to(tl.float16, bitcast=True) - 1040.0
+        hi = ((b_hi >> 4).to(tl.uint16) | (((x >> (s + 4)) & 1) << 4) | 0x6400).to(tl.float16, bitcast=True) - 1040.0
     return lo, hi
 
 
@@ -160,7 +181,7 @@ def _paged_attention_kernel(
         Q, stride_qb, stride_qg, stride_qh,  # queries [B, G, H, D], post-RoPE, last dim contiguous
         Out, stride_ob, stride_og, stride_oh,  # [B, G, H, D] (written when SPLIT == 0)
         part_acc, part_ml, nrows,  # SPLIT == 1: [NS, B*G*H, D] and [NS, B*G*H, 2] (m, l) fp32 partials
-        q4, s4, q8, s8, qi8, si8, U4, U8, Ui8,
+        q4, s4, q8, s8, qi8, si8, q5, s5, U4, U8, Ui8, U5,
         unit_precision, unit_index, k_channel_scale,
         block_tables, stride_bt, context_lens, tree_mask, num_tree, num_q,
         layer, KVH, G, W, scale_bits, chunk,  # scale_bits: sm_scale's fp32 bits (AOT launchers pass fp32 args badly)
@@ -174,6 +195,7 @@ def _paged_attention_kernel(
     applied to q·k per half-row when a half lies in one group (GS >= D/2), otherwise per element.
     """
     HALF: tl.constexpr = D // 2
+    EIGHTH: tl.constexpr = D // 8
     NG: tl.constexpr = D // GS
     HALF_SCALE: tl.constexpr = GS >= HALF
     OP: tl.constexpr = tl.float32 if F32 else tl.float16  # dot operand type: codes are exact in fp16
@@ -202,24 +224,26 @@ def _paged_attention_kernel(
     q_lo = (q_lo * (tl.load(c_base + j) * qscale)[None, :]).to(OP)
     q_hi = (q_hi * (tl.load(c_base + HALF + j) * qscale)[None, :]).to(OP)
 
-    # The K and V units of this head: pool, unit count, row bytes (D/2 for int4, D otherwise) and the byte
-    # offset of the high half (0 for int4: both halves share a byte; D/2 otherwise). Written as products with
-    # the constexpr D/2 (not tl.where between constants) so the compiler sees 16-byte aligned rows and
-    # vectorizes the payload loads.
+    # The K and V units of this head: pool, unit count, row bytes (D/2 for int4, 5D/8 for int5, D otherwise) and
+    # the byte offset of the high half (0 for int4 and int5: both halves share a byte; D/2 otherwise). Written as
+    # products with the constexprs D/2 and D/8 (not tl.where between constants) so the compiler sees aligned
+    # rows and vectorizes the payload loads.
     uk = layer * 2 * KVH + kvh
     uv = uk + KVH
     kprec = tl.load(unit_precision + uk).to(tl.int32)
     vprec = tl.load(unit_precision + uv).to(tl.int32)
     kidx = tl.load(unit_index + uk).to(tl.int64)
     vidx = tl.load(unit_index + uv).to(tl.int64)
-    k_pay, v_pay = _by_precision(kprec, q4, q8, qi8), _by_precision(vprec, q4, q8, qi8)
-    k_sc, v_sc = _by_precision(kprec, s4, s8, si8), _by_precision(vprec, s4, s8, si8)
-    kU = _by_precision(kprec, U4, U8, Ui8).to(tl.int64)
-    vU = _by_precision(vprec, U4, U8, Ui8).to(tl.int64)
-    k_ho = (kprec != 0).to(tl.int64) * HALF
-    v_ho = (vprec != 0).to(tl.int64) * HALF
-    k_rb = k_ho + HALF
-    v_rb = v_ho + HALF
+    k_pay, v_pay = _by_precision(kprec, q4, q8, qi8, q5), _by_precision(vprec, q4, q8, qi8, q5)
+    k_sc, v_sc = _by_precision(kprec, s4, s8, si8, s5), _by_precision(vprec, s4, s8, si8, s5)
+    kU = _by_precision(kprec, U4, U8, Ui8, U5).to(tl.int64)
+    vU = _by_precision(vprec, U4, U8, Ui8, U5).to(tl.int64)
+    k_ho = ((kprec == 1) | (kprec == 2)).to(tl.int64) * HALF
+    v_ho = ((vprec == 1) | (vprec == 2)).to(tl.int64) * HALF
+    k_rb = k_ho + HALF + (kprec == 3).to(tl.int64) * EIGHTH
+    v_rb = v_ho + HALF + (vprec == 3).to(tl.int64) * EIGHTH
+    sh = j // EIGHTH  # INT5: which bit of its plane byte holds a low-half element's bit 4
+    x_off = HALF + j % EIGHTH  # INT5: where in the row that plane byte is
 
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, ctx)
@@ -245,7 +269,11 @@ def _paged_attention_kernel(
         kb = k_pay + (krow * k_rb)[:, None] + j[None, :]
         b_lo = tl.load(kb, mask=m2, other=0)
         b_hi = tl.load(kb + k_ho, mask=m2, other=0)
-        k_lo, k_hi = _codes(b_lo, b_hi, kprec)
+        if kprec == 3:
+            b_x = tl.load(kb - j[None, :] + x_off[None, :], mask=m2, other=0)
+        else:
+            b_x = b_lo
+        k_lo, k_hi = _codes(b_lo, b_hi, b_x, sh, kprec)
         if HALF_SCALE:
             ks_lo = tl.load(k_sc + krow * NG, mask=tok, other=0.0).to(tl.float32)
             ks_hi = tl.load(k_sc + krow * NG + HALF // GS, mask=tok, other=0.0).to(tl.float32)
@@ -279,7 +307,11 @@ def _paged_attention_kernel(
         vb = v_pay + (vrow * v_rb)[:, None] + j[None, :]
         b_lo = tl.load(vb, mask=m2, other=0)
         b_hi = tl.load(vb + v_ho, mask=m2, other=0)
-        v_lo, v_hi = _codes(b_lo, b_hi, vprec)
+        if vprec == 3:
+            b_x = tl.load(vb - j[None, :] + x_off[None, :], mask=m2, other=0)
+        else:
+            b_x = b_lo
+        v_lo, v_hi = _codes(b_lo, b_hi, b_x, sh, vprec)
         vs = v_sc + vrow[:, None] * NG
         if HALF_SCALE:
             v_lo = v_lo.to(tl.float32) * tl.load(vs, mask=m2, other=0.0).to(tl.float32)
@@ -382,9 +414,9 @@ def check_shape(head_size: int, group_size: int) -> str | None:
 
 def _store_args(store):
     """The pools in the kernels' argument order (payload as bytes, scales; per precision in the store's registry
-    order: INT4, FP8, INT8), then each precision's unit count."""
+    order: INT4, FP8, INT8, INT5), then each precision's unit count."""
     if not hasattr(store, "payload"):
-        raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8 pools), got {type(store).__name__}")
+        raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8/INT5 pools), got {type(store).__name__}")
     pools = store.pools()
     payloads = pools[0::2]
     return (*(t.view(torch.uint8) if t.dtype == torch.int8 else t for t in pools), *(t.shape[1] for t in payloads))

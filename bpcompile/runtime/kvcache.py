@@ -188,6 +188,44 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int)
     return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
 
 
+INT5_ZERO = 16.0  # code of 0: code n holds the level n - 16 (n = 1..31; 0 is never written)
+
+
+def pack_int5(n: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [..., D] (0..31) -> bytes [..., 5D/8]: the low 4 bits as pack_int4 packs nibbles (bytes
+    [0, D/2)), then a plane of the high bits (bytes [D/2, 5D/8)): bit b of byte D/2 + i is bit 4 of element
+    i + b*D/8. A row's low half j < D/2 then finds its high bit at bit j // (D/8) and its high half at bit
+    4 + j // (D/8) of the same plane byte D/2 + j % (D/8): one gathered byte serves both halves."""
+    n = n.to(torch.uint8)
+    e = n.shape[-1] // 8
+    hb = (n >> 4).reshape(*n.shape[:-1], 8, e)
+    plane = sum(hb[..., b, :] << b for b in range(8)).to(torch.uint8)
+    return torch.cat((pack_int4(n & 0xF), plane), dim=-1)
+
+
+def unpack_int5(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 5D/8] -> codes [..., D] (uint8 0..31), inverse of pack_int5."""
+    d = b.shape[-1] * 8 // 5
+    plane = b[..., d // 2:]
+    hb = torch.cat([(plane >> i) & 1 for i in range(8)], dim=-1)  # element i + b*D/8 at position b*D/8 + i
+    return unpack_int4(b[..., :d // 2]) | (hb << 4)
+
+
+def quantize_int5(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT5: s = fp16(absmax/15), q = clamp(rne(x/s), -15, 15), code = q + 16, packed by pack_int5.
+    x [..., D] -> (uint8 [..., 5D/8], scales fp16 [..., D/G]). Plain absmax (no clip ratio): at 31 levels
+    the clipping error outweighs the finer step. What it is for: the keys of the layers that carry long-range
+    retrieval, where INT4's noise changes what the model retrieves (docs/KV_FORMAT.md §6)."""
+    xg, s = _scales(x, group_size, 15.0)
+    n = round_half_even(_divide(xg, s)).clamp_(-15, 15).add_(INT5_ZERO)
+    return pack_int5(n.reshape(x.shape)), s
+
+
+def dequantize_int5(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    q = unpack_int5(packed).float() - INT5_ZERO
+    return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+
+
 def encode_fp8_e4m3(y: torch.Tensor) -> torch.Tensor:
     """float32 -> E4M3 (fn) bit patterns (uint8), RNE, saturating to ±448. Bit manipulation only, so
     it is independent of any library cast (docs/KV_FORMAT.md §3 has the same steps as pseudo-code)."""
@@ -280,10 +318,11 @@ PRECISIONS = (
     UnitPrecision("int4", 0, torch.uint8, lambda d: d // 2, _encode_int4, dequantize_int4),
     UnitPrecision("fp8", 1, torch.uint8, lambda d: d, _codec(quantize_fp8, dequantize_fp8), dequantize_fp8),
     UnitPrecision("int8", 2, torch.int8, lambda d: d, _codec(quantize_int8, dequantize_int8), dequantize_int8),
+    UnitPrecision("int5", 3, torch.uint8, lambda d: d * 5 // 8, _codec(quantize_int5, dequantize_int5), dequantize_int5),
 )
 BY_CODE = {p.code: p for p in PRECISIONS}
 PRECISION_CODES = {p.name: p.code for p in PRECISIONS}
-INT4, FP8, INT8 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8"))
+INT4, FP8, INT8, INT5 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8", "int5"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,9 +390,13 @@ class KVPlan:
                     len(p.get(t, ())) != self.num_kv_heads for p in self.precision for t in ("k", "v")):
                 raise UserError(f"precision table must have {self.num_layers} layers x {{k,v}} x "
                                 f"{self.num_kv_heads} heads", key="precision")
-            bad = {x for p in self.precision for t in ("k", "v") for x in p[t]} - set(PRECISION_CODES)
-            if bad:
-                raise UserError(f"unknown unit precision(s) {sorted(bad)}; expected int4, fp8 or int8", key="precision")
+            used = {x for p in self.precision for t in ("k", "v") for x in p[t]}
+            if bad := used - set(PRECISION_CODES):
+                raise UserError(f"unknown unit precision(s) {sorted(bad)}; expected one of {', '.join(PRECISION_CODES)}",
+                                key="precision")
+            if "int5" in used and self.head_size % 8:
+                raise UserError(f"int5 units pack 8 values in 5 bytes: head size {self.head_size} is not a multiple "
+                                "of 8", key="precision")
 
     @property
     def has_exact(self) -> bool:
