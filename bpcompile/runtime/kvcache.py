@@ -213,9 +213,9 @@ def unpack_int5(b: torch.Tensor) -> torch.Tensor:
 
 def quantize_int5(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT5: s = fp16(absmax/15), q = clamp(rne(x/s), -15, 15), code = q + 16, packed by pack_int5.
-    x [..., D] -> (uint8 [..., 5D/8], scales fp16 [..., D/G]). Plain absmax (no clip ratio): at 31 levels
-    the clipping error outweighs the finer step. What it is for: the keys of the layers that carry long-range
-    retrieval, where INT4's noise changes what the model retrieves (docs/KV_FORMAT.md §6)."""
+    x [..., D] -> (uint8 [..., 5D/8], scales fp16 [..., D/G]). Plain absmax, like FP8 and INT8 (calibration
+    searches clip ratios for INT4 units only). What it is for: the keys of the layers where INT4's noise changes
+    what the model retrieves from far back (docs/KV_FORMAT.md §6)."""
     xg, s = _scales(x, group_size, 15.0)
     n = round_half_even(_divide(xg, s)).clamp_(-15, 15).add_(INT5_ZERO)
     return pack_int5(n.reshape(x.shape)), s
