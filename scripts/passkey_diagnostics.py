@@ -15,6 +15,7 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py lowbits-drop --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py midbits --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py midbits-budget --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py int5-2k --engine engines/smollm2/2 --length 2048 --trials 200 --seed 0 --depth 0.2:0.6
 
 For the first five, the engine's plan is the one before retrieval units: build a version of recipes/smollm2.yaml with
 `kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
@@ -60,7 +61,17 @@ the other keys INT4, window 10) is what `bpcompile build recipes/smollm2.yaml` n
 These two start from the engine of the previous default (3 INT8 retrieval keys, 2 FP8 units, window 16), built
 with `kv_cache: {int5_keys: none}`.
 
---length takes several lengths (comma-separated) and --rows keeps only the named rows besides fp16.
+int5-2k starts from the default engine with INT5 keys (`engines/smollm2/2`, what `bpcompile build
+recipes/smollm2.yaml` builds now) and asks which keys move its 2k shortfall: the top 3 retrieval keys (by the
+calibration's scores: L21.k2, L18.k2, L23.k0) in INT8, or only some of them, or L18.k2 in INT8 with the other two
+in INT5, each with the longest window that keeps >= 3.5x (`finer_keys`); and, as diagnostics above 3.5x (window
+10), the keys of layers 0-9, 10-19 or 20-29, or all values, in INT8, the keys of layers 0-9 in INT5, and those of
+layers 0-4 or 5-9 in INT8.
+
+--length takes several lengths (comma-separated) and --rows keeps only the named rows besides fp16. --depth A:B
+keeps only the trials whose key lies at a depth in [A, B) of the filler (at 2k, the trials where FP16 KV and the
+plans disagree lie at depths 0.3-0.6; nearer the end all retrieve, nearer the start nearly none do), so that a
+screen costs half the trials; a count on those trials is not an accuracy over all of them.
 """
 from __future__ import annotations
 
@@ -326,6 +337,19 @@ def int5_band(plan: KVPlan, cfg, extra_keys=(), fp8_values: bool = True) -> KVPl
     return p
 
 
+def finer_keys(plan: KVPlan, cfg, keys) -> KVPlan:
+    """plan with each (layer, head, precision) of keys stored in that precision, then the longest exact window
+    (at most 16) that keeps >= 3.5x allocated."""
+    p = deepcopy(plan)
+    for layer, head, prec in keys:
+        p.precision[layer]["k"][head] = prec
+    for window in range(16, -1, -1):
+        p.recent_window = window
+        if E.allocated_compression(p, cfg) >= 3.5:
+            break
+    return p
+
+
 def patched(attend, fn):
     """fn with eval's attend_exact replaced by `attend` while it runs."""
     def run(*args):
@@ -353,11 +377,25 @@ def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
 # the experiments that start from the previous default engine (INT8 retrieval keys and an exact window)
 FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop", "midbits",
                 "midbits-budget")
+# the experiments that start from the default with INT5 keys
+FROM_INT5 = ("int5-2k",)
+
+
+def depth_range(text: str) -> tuple[float, float]:
+    """--depth A:B -> (A, B), with 0 <= A < B <= 1 (B = 1 takes the trials at depth 1 too)."""
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (two depths in [0, 1]), got {text!r}") from None
+    if not 0.0 <= lo < hi <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A < B <= 1, got {text!r}")
+    return lo, hi
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates") + FROM_DEFAULT)
+    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates") + FROM_DEFAULT
+                    + FROM_INT5)
     ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
                     "the default engine)")
     ap.add_argument("--length", default="4096", help="prompt length in tokens, or several, comma-separated")
@@ -367,6 +405,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default=None, help="only these rows besides fp16 (exact names, ;-separated)")
     ap.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the held-out fidelity rows")
+    ap.add_argument("--depth", default=None, type=depth_range,
+                    help="only the trials whose key depth is in [A, B), as A:B")
     ap.add_argument("--out", default=None, help="write the per-trial outcomes here (JSON)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -380,7 +420,11 @@ def main() -> int:
     if a.experiment in FROM_DEFAULT and not (has_int8 and plan.recent_window):
         ap.error(f"{d}: {a.experiment} starts from the plan before INT5 keys (INT8 retrieval keys and an exact window: "
                  "build recipes/smollm2.yaml with kv_cache: {int5_keys: none})")
-    if a.experiment not in FROM_DEFAULT and has_int8:
+    has_int5 = any(x == "int5" for layer in plan.precision for x in layer["k"])
+    if (a.experiment in FROM_INT5) != has_int5:
+        ap.error(f"{d}: {a.experiment} " + ("starts from the default plan with INT5 keys (engines/smollm2/2)"
+                 if a.experiment in FROM_INT5 else "starts from a plan without INT5 keys"))
+    if a.experiment not in FROM_DEFAULT + FROM_INT5 and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     show = fidelity if a.fidelity else (lambda *args: None)
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
@@ -518,6 +562,31 @@ def main() -> int:
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
+    elif a.experiment == "int5-2k":  # which keys move the INT5 default's 2k shortfall
+        top3 = [(21, 2), (18, 2), (23, 0)]  # the calibration's retrieval order on SmolLM2-135M-Instruct
+        plans = {"plan": plan,
+                 "top 3 retrieval keys INT8": finer_keys(plan, v.cfg, [(x, h, "int8") for x, h in top3]),
+                 "L21.k2 L23.k0 INT8": finer_keys(plan, v.cfg, [(21, 2, "int8"), (23, 0, "int8")]),
+                 "L18.k2 INT8": finer_keys(plan, v.cfg, [(18, 2, "int8")]),
+                 "L18.k2 L21.k2 INT8": finer_keys(plan, v.cfg, [(18, 2, "int8"), (21, 2, "int8")]),
+                 "L18.k2 INT8, L21.k2 L23.k0 INT5": finer_keys(plan, v.cfg, [(18, 2, "int8"), (21, 2, "int5"),
+                                                                              (23, 0, "int5")])}
+        for name, (layers, kv, prec) in {"keys of layers 0-9 INT8": (range(0, 10), "k", "int8"),
+                                         "keys of layers 10-19 INT8": (range(10, 20), "k", "int8"),
+                                         "keys of layers 20-29 INT8": (range(20, 30), "k", "int8"),
+                                         "values INT8": (range(30), "v", "int8"),
+                                         "keys of layers 0-9 INT5": (range(0, 10), "k", "int5"),
+                                         "keys of layers 0-4 INT8": (range(0, 5), "k", "int8"),
+                                         "keys of layers 5-9 INT8": (range(5, 10), "k", "int8")}.items():
+            p = deepcopy(plan)
+            for layer in layers:
+                p.precision[layer][kv] = [prec] * p.num_kv_heads
+            plans[name] = p
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
     elif a.experiment == "heads":
         t0 = time.perf_counter()
         sc = retrieval_scores(v, passkey_probes(tok, 2048, 16, 7))
@@ -557,8 +626,9 @@ def main() -> int:
     for length in (int(x) for x in a.length.split(",")):
         hits = outcomes[length] = {n: [] for n in rows}
         t0 = time.perf_counter()
+        lo, hi = a.depth or (0.0, 1.0)
         for i, t in enumerate(E.passkey_trials(tok, length, a.trials, a.seed)):
-            if i < a.skip:
+            if i < a.skip or not (lo <= t["depth"] < hi or (hi == 1.0 and t["depth"] == 1.0)):
                 continue
             ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
             kv = E._prefix_kv(v, ids[:P])
