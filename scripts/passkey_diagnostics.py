@@ -330,7 +330,12 @@ def int5_band(plan: KVPlan, cfg, extra_keys=(), fp8_values: bool = True) -> KVPl
             if p.precision[layer][kv][h] == "int8" or (p.precision[layer][kv][h] == "fp8" and not fp8_values):
                 p.precision[layer][kv][h] = "int4"
                 p.int4_clip[layer, 0 if kv == "k" else 1, h] = u["clip"]
-    for window in range(16, -1, -2):
+    return longest_window(p, cfg, step=2)
+
+
+def longest_window(p: KVPlan, cfg, step: int = 1) -> KVPlan:
+    """p with the longest exact window (at most 16, a multiple of step) that keeps >= 3.5x allocated (in place)."""
+    for window in range(16, -1, -step):
         p.recent_window = window
         if E.allocated_compression(p, cfg) >= 3.5:
             break
@@ -343,11 +348,7 @@ def finer_keys(plan: KVPlan, cfg, keys) -> KVPlan:
     p = deepcopy(plan)
     for layer, head, prec in keys:
         p.precision[layer]["k"][head] = prec
-    for window in range(16, -1, -1):
-        p.recent_window = window
-        if E.allocated_compression(p, cfg) >= 3.5:
-            break
-    return p
+    return longest_window(p, cfg)
 
 
 def patched(attend, fn):
