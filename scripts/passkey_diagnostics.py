@@ -16,6 +16,7 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py midbits --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py midbits-budget --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py int5-2k --engine engines/smollm2/2 --length 2048 --trials 200 --seed 0 --depth 0.2:0.6
+    .venv/bin/python scripts/passkey_diagnostics.py two-bands --engine engines/smollm2/2 --length 2048 --trials 200 --seed 0 --depth 0.2:0.6 --no-fidelity
 
 For the first five, the engine's plan is the one before retrieval units: build a version of recipes/smollm2.yaml with
 `kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
@@ -225,13 +226,16 @@ def split_window(keys, values, key_window=None):
 
 
 def register_lowbit_values() -> None:
-    """Register 2- and 3-bit unit precisions in the store's registry for this process only (the format, kernels
-    and plugin have neither): a uniform grid without a zero, (n - (2^b - 1) / 2) * s, n = 0 .. 2^b - 1, packed
-    (3 bytes per 8 levels for 3 bits), one fp16 scale per group set from the group's RMS to the step that
-    minimizes a Gaussian's squared error (0.996 and 0.586 sigma). After the Hadamard rotation a value group of 64
-    is close to Gaussian, so an RMS scale beats an absmax one at so few levels. "int3-absmax": the 3-bit grid with
+    """Register 2- and 3-bit unit precisions in the store's registry for this process only: a uniform grid without
+    a zero, (n - (2^b - 1) / 2) * s, n = 0 .. 2^b - 1, packed (3 bytes per 8 levels for 3 bits), one fp16 scale per
+    group set from the group's RMS to the step that minimizes a Gaussian's squared error (0.996 and 0.586 sigma):
+    "int2" and "int3-rms" (the seventeenth session's "int3"). After the Hadamard rotation a value group of 64 is
+    close to Gaussian, so an RMS scale beats an absmax one at so few levels. "int3-absmax": the 3-bit grid with
     s = 0.8 absmax / 3.5 instead, the same squared error on a Gaussian group of 64 (0.035 sigma^2) and the form a
-    kernel can compute bit for bit (a maximum does not depend on the order of a reduction)."""
+    kernel can compute bit for bit (a maximum does not depend on the order of a reduction). The format's own "int3"
+    (code 5) is that grid too, rounding to the nearest level by floor(x / s) + 4 (equal but on cell boundaries) with
+    s = fp16(0.8 amax / 3.5) (int3-absmax multiplies amax by 0.8 / 3.5: the same but in the last bit); "int6" is
+    the format's (code 4)."""
     from bpcompile.runtime import kvcache as C
 
     def codec(bits, step):
@@ -265,31 +269,12 @@ def register_lowbit_values() -> None:
             return (C._groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
         return encode, decode
 
-    def symmetric(bits):  # INT4's grid with more levels: s = fp16(amax / qmax), n = rne(x / s) + 2^(b-1), 8 per b bytes
-        qmax, zero = 2 ** (bits - 1) - 1, 2 ** (bits - 1)
-
-        def encode(x, group_size, clip, decoded):
-            xg, s = C._scales(x, group_size, qmax)
-            n = (C.round_half_even(C._divide(xg, s)).clamp(-qmax, qmax) + zero).reshape(x.shape).to(torch.int64)
-            w = (n.reshape(*n.shape[:-1], -1, 8) << (bits * torch.arange(8, device=n.device))).sum(-1)
-            payload = torch.stack([(w >> (8 * i)) & 255 for i in range(bits)], -1).reshape(*n.shape[:-1], -1).to(torch.uint8)
-            return payload, s, decode(payload, s, group_size) if decoded else None
-
-        def decode(payload, scales, group_size):
-            b = payload.to(torch.int64)
-            w = (b.reshape(*b.shape[:-1], -1, bits) << (8 * torch.arange(bits, device=b.device))).sum(-1)
-            n = torch.stack([(w >> (bits * i)) & (2 ** bits - 1) for i in range(8)], -1).reshape(*b.shape[:-1], -1)
-            q = n.float() - zero
-            return (C._groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
-        return encode, decode
-
     if "int2" in C.PRECISION_CODES:
         return
     new = []
-    for code, (name, bits, step) in enumerate((("int2", 2, 0.996), ("int3", 3, 0.586), ("int3-absmax", 3, None),
-                                               ("int6", 6, "symmetric")),
+    for code, (name, bits, step) in enumerate((("int2", 2, 0.996), ("int3-rms", 3, 0.586), ("int3-absmax", 3, None)),
                                               start=len(C.PRECISIONS)):
-        enc, dec = symmetric(bits) if step == "symmetric" else codec(bits, step)
+        enc, dec = codec(bits, step)
         new.append(C.UnitPrecision(name, code, torch.uint8, lambda d, b=bits: d * b // 8, enc, dec))
     C.PRECISIONS = C.PRECISIONS + tuple(new)
     for prec in new:
@@ -379,7 +364,7 @@ def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
 FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop", "midbits",
                 "midbits-budget")
 # the experiments that start from the default with INT5 keys
-FROM_INT5 = ("int5-2k",)
+FROM_INT5 = ("int5-2k", "two-bands")
 
 
 def depth_range(text: str) -> tuple[float, float]:
@@ -477,15 +462,15 @@ def main() -> int:
         register_lowbit_values()
         middle, K = range(10, 20), "plan, keys of layers 10-19 in INT8"
         plans = {K: lowbit_values(plan, v.cfg, middle, "int4"),
-                 f"{K}, values in INT3": lowbit_values(plan, v.cfg, middle, "int3", base="int3"),
-                 f"{K}, values in INT3, the least sensitive in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2", base="int3"),
+                 f"{K}, values in INT3": lowbit_values(plan, v.cfg, middle, "int3-rms", base="int3-rms"),
+                 f"{K}, values in INT3, the least sensitive in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2", base="int3-rms"),
                  f"{K}, values in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2")}
         controls = deepcopy(plan)  # the last row's values, the default plan's keys
         for layer, lay in enumerate(plans[f"{K}, values in INT2 to 3.5x"].precision):
             controls.precision[layer]["v"] = list(lay["v"])
         plans["plan, values in INT2 as in the last row, keys as stored"] = controls
         for name, p in plans.items():
-            n = {c: sum(x == c for layer in p.precision for x in layer["v"]) for c in ("int3", "int2")}
+            n = {c: sum(x == c for layer in p.precision for x in layer["v"]) for c in ("int3-rms", "int2")}
             print(f"{name}: value units {n}", flush=True)
         show(v, d / "tokenizer", plans, {})
         rows["plan"] = greedy(plan)
@@ -496,8 +481,8 @@ def main() -> int:
         plans = {}
         for lo, hi in ((11, 19), (12, 18), (13, 17)):
             p = plans[f"plan, keys of layers {lo}-{hi - 1} in INT8, values in INT3 to 3.5x"] = lowbit_values(
-                plan, v.cfg, range(lo, hi), "int3")
-            print(f"layers {lo}-{hi - 1}: value units in INT3", sum(x == "int3" for layer in p.precision for x in layer["v"]), flush=True)
+                plan, v.cfg, range(lo, hi), "int3-rms")
+            print(f"layers {lo}-{hi - 1}: value units in INT3", sum(x == "int3-rms" for layer in p.precision for x in layer["v"]), flush=True)
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
@@ -583,6 +568,34 @@ def main() -> int:
             for layer in layers:
                 p.precision[layer][kv] = [prec] * p.num_kv_heads
             plans[name] = p
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "two-bands":  # both bands of finer keys (2k: layers 0-9, 4k: 10-19), paid for by INT3 values
+        plans = {"plan": plan}
+        for name, bands in {"keys of layers 0-19 INT6, values INT3": ((range(0, 20), "int6"),),
+                            "keys of layers 0-9 INT6, values INT3": ((range(0, 10), "int6"),),
+                            "keys of layers 0-9 INT5, values INT3": ((range(0, 10), "int5"),)}.items():
+            p = finer_keys(plan, v.cfg, [(x, h, prec) for layers, prec in bands for x in layers
+                                         for h in range(plan.num_kv_heads)])
+            for layer in p.precision:
+                layer["v"] = ["int3" if x == "int4" else x for x in layer["v"]]
+            plans[name] = longest_window(p, v.cfg)
+        p = finer_keys(plan, v.cfg, [(x, h, "int6") for x in range(10) for h in range(plan.num_kv_heads)])
+        p.recent_window = 16  # then the least sensitive values (fisher_error at INT4) in INT3 until 3.5x
+        values = sorted((u["fisher_error"], lay["layer"], u["head"]) for lay in plan.calibration["layers"]
+                        for u in lay["units"] if u["kind"] == "v" and u["precision"] == "int4")
+        for _, layer, head in values:
+            if E.allocated_compression(p, v.cfg) >= 3.5:
+                break
+            p.precision[layer]["v"][head] = "int3"
+        n3 = sum(x == "int3" for layer in p.precision for x in layer["v"])
+        plans[f"keys of layers 0-9 INT6, the {n3} least sensitive values INT3"] = p
+        p = deepcopy(plan)  # diagnostic above 3.5x: is INT6 fine enough for the first third's keys?
+        p.precision[:10] = [dict(layer, k=["int6"] * p.num_kv_heads) for layer in p.precision[:10]]
+        plans["keys of layers 0-9 INT6"] = p
         for name, p in plans.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
         show(v, d / "tokenizer", plans, {})

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from bpcompile.core.errors import UserError
-from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
+from bpcompile.runtime.kvcache import FP8, INT3, INT4, INT6, INT8  # noqa: E402
 from bpcompile.runtime.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
-                               dequantize_int4, dequantize_int5, dequantize_int8, encode_fp8_e4m3, fake_quantize,
-                               kv_store_factory, make_kv_store, pack_int4, pack_int5, quantize_fp8, quantize_int4,
-                               quantize_int5, quantize_int8, unpack_int4, unpack_int5)
+                               dequantize_int3, dequantize_int4, dequantize_int5, dequantize_int6, dequantize_int8,
+                               encode_fp8_e4m3, fake_quantize, kv_store_factory, make_kv_store, pack_int3, pack_int4,
+                               pack_int5, pack_int6, quantize_fp8, quantize_int3, quantize_int4, quantize_int5,
+                               quantize_int6, quantize_int8, unpack_int3, unpack_int4, unpack_int5, unpack_int6)
 from bpcompile.runtime.model import ModelConfig
 
 # the shipped tiny verifier's shape: 4 layers x 2 KV heads x head 64
@@ -91,6 +92,61 @@ def test_int5_codes_are_the_nearest_of_31_levels():
     assert torch.equal(y[inner], nearest[inner]) and inner.float().mean() > 0.9
 
 
+def test_int6_layout_nibbles_then_two_bit_planes():
+    # D = 16: bytes 0..7 INT4's nibble pairs of the low 4 bits, bytes 8..9 the plane of bit 4, bytes 10..11 the
+    # plane of bit 5 (bit b of byte 10 + i is bit 5 of element i + 2b)
+    n = torch.zeros(16, dtype=torch.uint8)
+    n[13] = 63  # element 13 = 1 + 2 * 6: nibble 15 high in byte 5, bit 6 of bytes 9 and 11
+    n[2] = 32  # element 2 = 0 + 2 * 1: only bit 5, bit 1 of byte 10
+    b = pack_int6(n)
+    assert b.shape == (12,) and b.tolist() == [0, 0, 0, 0, 0, 0xF0, 0, 0, 0, 0b1000000, 0b10, 0b1000000]
+    r = torch.randint(0, 64, (3, 5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int6(pack_int6(r)), r)
+
+
+def test_int6_codes_are_the_nearest_of_63_levels():
+    x = _spread_values()
+    packed, s = quantize_int6(x, 32)
+    assert packed.shape == (64, 3, 48) and s.shape == (64, 3, 2)
+    codes = unpack_int6(packed)
+    assert codes.min() == 1 and codes.max() == 63 and (codes[0, 0, :32] == 32).all() and s[0, 0, 0] == 0
+    assert torch.equal(s, (x.abs().reshape(64, 3, 2, 32).amax(-1) / 31).half())
+    y = dequantize_int6(packed, s, 32)
+    sg = s.float().repeat_interleave(32, -1)
+    levels = torch.arange(-31, 32).float()[None, None, None, :] * sg[..., None]
+    inner = x.abs() < 30.5 * sg
+    nearest = levels.gather(-1, (x[..., None] - levels).abs().argmin(-1, keepdim=True))[..., 0]
+    assert torch.equal(y[inner], nearest[inner]) and inner.float().mean() > 0.9
+
+
+def test_int3_layout_three_bit_planes():
+    # D = 16: bytes 0..1 the plane of bit 0, 2..3 of bit 1, 4..5 of bit 2; bit b of byte i of a plane is element
+    # i + 2b
+    n = torch.zeros(16, dtype=torch.uint8)
+    n[13] = 5  # element 13 = 1 + 2 * 6: bits 0 and 2, bit 6 of bytes 1 and 5
+    n[2] = 2  # element 2 = 0 + 2 * 1: bit 1, bit 1 of byte 2
+    b = pack_int3(n)
+    assert b.shape == (6,) and b.tolist() == [0, 0b1000000, 0b10, 0, 0, 0b1000000]
+    r = torch.randint(0, 8, (3, 5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int3(pack_int3(r)), r)
+
+
+def test_int3_codes_are_the_nearest_of_8_levels_without_a_zero():
+    x = _spread_values()
+    packed, s = quantize_int3(x, 32)
+    assert packed.shape == (64, 3, 24) and s.shape == (64, 3, 2)
+    assert torch.equal(s, (x.abs().reshape(64, 3, 2, 32).amax(-1) * 0.8 / 3.5).half())
+    y = dequantize_int3(packed, s, 32)
+    assert (y[0, 0, :32] == 0).all() and s[0, 0, 0] == 0  # a zero scale decodes to zeros whatever the code
+    sg = s.float().repeat_interleave(32, -1)
+    levels = (torch.arange(8).float() - 3.5)[None, None, None, :] * sg[..., None]
+    inner = x.abs() < 3.4 * sg  # away from the clamp (0.8 of the absmax saturates the largest values)
+    nearest = levels.gather(-1, (x[..., None] - levels).abs().argmin(-1, keepdim=True))[..., 0]
+    assert torch.equal(y[inner], nearest[inner]) and inner.float().mean() > 0.8
+    big = x.abs() > 3.5 * sg  # beyond the outer levels: saturated to them
+    assert big.any() and torch.equal(unpack_int3(packed)[big], torch.where(x > 0, 7, 0)[big].to(torch.uint8))
+
+
 def _e4m3_probe_values() -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     vals = codes.view(torch.float8_e4m3fn).float()
@@ -141,6 +197,7 @@ def mixed_plan(cfg=TINY, group_size=32) -> KVPlan:
     L, KV, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_size
     prec = [{"k": ["fp8", "int4"], "v": ["int4", "int8"]} if l % 2 else {"k": ["int4", "int4"], "v": ["int4", "fp8"]}
             for l in range(L)]
+    prec[2] = {"k": ["int6", "int5"], "v": ["int3", "int4"]}
     g = torch.Generator().manual_seed(3)
     kcs = torch.rand(L, KV, D, generator=g) * 4 + 0.25
     clip = torch.full((L, 2, KV), 0.9)
@@ -164,6 +221,11 @@ def test_store_read_is_fake_quantize_per_unit():
             assert torch.equal(kr[:, h], fake_quantize(k[:, h], pk, 32, plan.k_channel_scale[layer, h], ck))
             assert torch.equal(vr[:, h], fake_quantize(v[:, h], pv, 32, None, cv))
         assert (kr - k).norm() < 0.5 * k.norm() and (vr - v).norm() < 0.2 * v.norm()  # a quantization, not garbage
+        # write_read computes what a read gives from the levels, without unpacking: the same values and bytes
+        other = torch.tensor([1, 2, 3, 4, 6])
+        kw, vw = store.write_read(layer, other, k, v)
+        assert torch.equal(kw, kr) and torch.equal(vw, vr)
+        assert all(torch.equal(t[0, :, s], t[0, :, o]) for t in store.pools() for s, o in zip(slots[:1], other[:1]))
 
 
 def test_move_is_an_exact_copy():
@@ -224,7 +286,8 @@ def test_plan_save_load_roundtrip_and_factory(tmp_path):
     for f in ("plan.json", "scales.safetensors"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
     store = kv_store_factory(back)(TINY, 2, 16, "cpu")
-    assert isinstance(store, QuantKVStore) and store.payload[FP8].shape == (2, 4, 16, 64)
+    assert isinstance(store, QuantKVStore) and store.payload[FP8].shape == (2, 3, 16, 64)
+    assert store.payload[INT6].shape == (2, 1, 16, 48) and store.payload[INT3].shape == (2, 1, 16, 24)
 
 
 def test_bad_plans_are_user_errors(tmp_path):
@@ -234,6 +297,8 @@ def test_bad_plans_are_user_errors(tmp_path):
         KVPlan("int4-fp8-outlier", 1, 2, 64, 64, [{"k": ["int4"], "v": ["int4", "int4"]}])
     with pytest.raises(UserError, match="int2"):
         KVPlan("int4-fp8-outlier", 1, 1, 64, 64, [{"k": ["int2"], "v": ["int4"]}])
+    with pytest.raises(UserError, match="multiple of 8"):
+        KVPlan("int4-fp8-outlier", 1, 1, 12, 12, [{"k": ["int6"], "v": ["int3"]}])
     with pytest.raises(UserError, match="divide"):
         KVPlan.uniform("fp8", 1, 1, 64, group_size=48)
     with pytest.raises(UserError, match="plan.json"):

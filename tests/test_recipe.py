@@ -36,16 +36,20 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 
 @pytest.mark.parametrize("target,executor,fmt,extra,want", [
-    # the default: a 10-position exact window and the middle third of the layers' keys in INT5, nothing else
-    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle")),
+    # the default: a 16-position exact window, the keys of the first third of the layers in INT6 and of the middle
+    # third in INT5, three quarters of the value units in INT3, nothing else
+    ("native", "torch", "int4-fp8-outlier", {}, (0, 16, 0.0, 0.0, "middle", "early", 0.75)),
+    # without INT6 keys: INT5 keys, a 10-position window and no INT3 values (the previous default)
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0)),
     # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
-    ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none")),
-    # without a window: no INT5 keys either (they are what keeps 4k retrieval next to exact recent keys)
-    ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none")),
-    ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none")),  # the graphs do not read exact entries
-    ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none")),  # nor does the TensorRT plugin
-    ("native", "torch", "int8", {}, (0, 0, 0.08, 0.0, "none")),  # auto turns them on for the INT4 format only
-    ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none")),
+    ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none", "none", 0.0)),
+    # without a window: no INT5 or INT6 keys either (they are what keeps retrieval next to exact recent keys)
+    ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),
+    # the graphs do not read exact entries (nor INT6 or INT3 units)
+    ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),
+    ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),  # nor does the plugin
+    ("native", "torch", "int8", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),  # auto: for the INT4 format only
+    ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),
 ])
 def test_kv_cache_autos_resolve_per_target(target, executor, fmt, extra, want):
     from bpcompile.core.engine import EngineConfig
@@ -53,7 +57,8 @@ def test_kv_cache_autos_resolve_per_target(target, executor, fmt, extra, want):
     e = EngineConfig.model_validate({"name": "t", "target": target, "runtime": {"executor": executor},
                                      "kv_cache": {"format": fmt, **extra}})
     kv = e.kv_cache
-    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction, kv.int5_keys) == want
+    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction, kv.int5_keys,
+            kv.int6_keys, kv.int3_values) == want
     assert EngineConfig.model_validate_json(e.model_dump_json()).kv_cache == kv  # engine.json keeps them resolved
 
 
@@ -73,6 +78,9 @@ def test_shipped_recipes_parse():
     ("target: onnx\n", "target", "target", "native"),
     ("kv_cache: {format: int8, recent_window: 8}\nruntime: {executor: onnxruntime}\n", "kv_cache.recent_window",
      "kv_cache", "torch executor only"),
+    ("kv_cache: {int6_keys: early, recent_window: 0}\nruntime: {executor: onnxruntime}\n", "kv_cache.int6_keys",
+     "kv_cache", "torch executor only"),
+    ("kv_cache: {format: int8, int3_values: 0.5}\n", "kv_cache", "kv_cache", "int4-fp8-outlier"),
     ("kv_cache: {format: fp8, int5_keys: middle}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
 ])
 def test_bad_values_exit_2_naming_key_and_line(tmp_path, pair, extra, key, line_of, expect):

@@ -311,7 +311,8 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
 
 def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
     """The Triton kernels do not read exact entries: with them forced on, the store gets the PyTorch path (warned
-    once, on stderr); the onnxruntime executor's graphs do not either: a Generator refuses the plan."""
+    once, on stderr); the onnxruntime executor's graphs do not either: a Generator refuses the plan. Likewise a plan
+    with INT6 or INT3 units."""
     from dataclasses import replace
 
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
@@ -327,6 +328,15 @@ def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
     gen = Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan), dense_kv=False)
     assert gen.vkv.dense is not None and gen.vkv.kern is None  # exact entries need the dense path
     with pytest.raises(UserError, match="onnxruntime executor"):
+        Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
+                  executor="onnxruntime", graphs="/nonexistent")
+    # nor INT6 or INT3 units: the same, without exact entries
+    plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
+    plan.precision[0] = {"k": ["int6"] * c.num_kv_heads, "v": ["int3"] * c.num_kv_heads}
+    store = kv_store_factory(plan)(c, 4, 4, "cpu")
+    assert kernels_for(store, torch.device("cpu")) is None
+    assert "do not read INT6 or INT3" in capsys.readouterr().err
+    with pytest.raises(UserError, match="INT6 or INT3"):
         Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
                   executor="onnxruntime", graphs="/nonexistent")
 

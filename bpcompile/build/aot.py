@@ -21,7 +21,7 @@ from bpcompile.core.checkpoint import attention_shape
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import fault_point
 from bpcompile.kernels import paged
-from bpcompile.runtime.kvcache import PRECISIONS
+from bpcompile.runtime.kvcache import KERNEL_PRECISIONS
 
 # Triton's own AOT tool (triton/tools/compile.py) is not used as is: its launcher computes the grid from the
 # kernel's arguments (ours depends on batch and split count, which are not arguments), maps fp32 scalars to
@@ -268,12 +268,12 @@ def _write_kernels_header(out_dir: Path, specs: list[dict], model: dict, gqa: in
     # The KV pools as the store lays them out (runtime/kvcache.py's precision registry): a payload and an fp16
     # scale pool per unit precision, then how to pass them (pointers, then each precision's unit count).
     trt = {torch.uint8: "kUINT8", torch.int8: "kINT8", torch.float16: "kHALF"}  # the ONNX graphs' pool types
-    pools = [t for prec in PRECISIONS for t in (trt[prec.payload_dtype], "kHALF")]
-    lines += [f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in PRECISIONS)} */",
+    pools = [t for prec in KERNEL_PRECISIONS for t in (trt[prec.payload_dtype], "kHALF")]
+    lines += [f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in KERNEL_PRECISIONS)} */",
               f"#define BP_NUM_KV_POOLS {len(pools)}",
               "#define BP_KV_POOL_TYPES " + ", ".join(f"nvinfer1::DataType::{t}" for t in pools),
               "#define BP_KV_POOL_ARGS(POOL, UNITS) " + ", ".join(
-                  [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(PRECISIONS))])]
+                  [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(KERNEL_PRECISIONS))])]
     suffix = f"_{model['dtype']}"
     lines += [f"#define {s['name'][:-len(suffix)]}_launch {s['name']}_launch" for s in specs]
     # every module loaded up front (the plugins call this outside enqueue, so capture never sees a module load)

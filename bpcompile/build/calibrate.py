@@ -68,6 +68,10 @@ class KVCalibConfig:
     recent_window: int = 0
     # "middle": the keys of the middle third of the layers stored in INT5 (int5_key_layers); "none"
     int5_keys: str = "none"
+    # "early": the keys of the first third of the layers stored in INT6 (int6_key_layers); "none"
+    int6_keys: str = "none"
+    # share of the value units stored in INT3, the least sensitive (fisher_error) first
+    int3_values: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "KVCalibConfig":
@@ -86,6 +90,16 @@ class KVCalibConfig:
             cfg.int5_keys = "none"
         if cfg.int5_keys not in ("middle", "none"):
             raise UserError(f"int5_keys must be middle or none, got {cfg.int5_keys!r}", key="kv_cache.int5_keys")
+        if cfg.int6_keys == "auto":
+            cfg.int6_keys = "none"
+        if cfg.int6_keys not in ("early", "none"):
+            raise UserError(f"int6_keys must be early or none, got {cfg.int6_keys!r}", key="kv_cache.int6_keys")
+        if cfg.int3_values == "auto":
+            cfg.int3_values = 0.0
+        if isinstance(cfg.int3_values, bool) or not isinstance(cfg.int3_values, (int, float)) \
+                or not 0.0 <= cfg.int3_values <= 1.0:
+            raise UserError(f"int3_values must be a share in [0, 1], got {cfg.int3_values!r}",
+                            key="kv_cache.int3_values")
         if not 0.0 <= cfg.retrieval_fraction <= 0.5:  # keys are half the units
             raise UserError(f"retrieval_fraction must be in [0, 0.5], got {cfg.retrieval_fraction}",
                             key="kv_cache.retrieval_fraction")
@@ -117,6 +131,15 @@ def int5_key_layers(mode: str, num_layers: int) -> range:
     if mode == "none":
         return range(0)
     return range(round(num_layers / 3), round(2 * num_layers / 3))
+
+
+def int6_key_layers(mode: str, num_layers: int) -> range:
+    """The layers whose keys an int6_keys mode stores in INT6: "early" = the first third, [0, L/3) rounded
+    (layers 0-9 of SmolLM2's 30: there, INT4 or INT5 noise in those keys is what lowered the model's 2k passkey
+    retrieval; in INT8 or INT6 it retrieves what FP16 KV does, and the other layers' keys do not move it)."""
+    if mode == "none":
+        return range(0)
+    return range(0, round(num_layers / 3))
 
 
 def n_outlier_units(fraction: float, units: int) -> int:
@@ -319,23 +342,29 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
 def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-fp8-outlier", sink_tokens: int = 0,
                           recent_window: int = 0, seq_len: int = 2048, lookahead: int = 6,
                           retrieval: Optional[torch.Tensor] = None, retrieval_fraction: float = 0.0,
-                          int5_keys: str = "none"):
-    """KVPlan + per-layer report for one outlier fraction from `measure_units` output. int5_keys: the keys of
-    int5_key_layers(int5_keys) are stored in INT5, first. retrieval: [L, KV] scores (retrieval_scores); the keys
-    of the round(retrieval_fraction * units) highest of the rest go to INT8, then the outlier units are chosen
-    among the rest."""
+                          int5_keys: str = "none", int6_keys: str = "none", int3_values: float = 0.0):
+    """KVPlan + per-layer report for one outlier fraction from `measure_units` output. int5_keys / int6_keys: the
+    keys of int5_key_layers(int5_keys) are stored in INT5 and those of int6_key_layers(int6_keys) in INT6, first.
+    retrieval: [L, KV] scores (retrieval_scores); the keys of the round(retrieval_fraction * units) highest of the
+    rest go to INT8. Then the round(int3_values * value units) values with the smallest sensitivity go to INT3,
+    and the outlier units are chosen among the rest."""
     c = model_cfg
     units = m["units"]
-    int5_layers = int5_key_layers(int5_keys, c.num_layers)
-    int5 = {u for u, r in enumerate(units) if r["kind"] == "k" and r["layer"] in int5_layers}
+    band = {u: p for p, layers in (("int5", int5_key_layers(int5_keys, c.num_layers)),
+                                   ("int6", int6_key_layers(int6_keys, c.num_layers)))
+            for u, r in enumerate(units) if r["kind"] == "k" and r["layer"] in layers}  # unit -> its key precision
+    int5 = {u for u, p in band.items() if p == "int5"}
     n_ret = n_outlier_units(retrieval_fraction, len(units)) if retrieval is not None else 0
-    by_score = sorted((u for u, r in enumerate(units) if r["kind"] == "k" and u not in int5),
+    by_score = sorted((u for u, r in enumerate(units) if r["kind"] == "k" and u not in band),
                       key=lambda u: (-float(retrieval[units[u]["layer"], units[u]["head"]]), u)) if n_ret else []
     ret = set(by_score[:n_ret])
-    n_fp8 = min(n_outlier_units(fraction, len(units)), len(units) - len(ret) - len(int5))
     # plans measured before the loss-based selection have no fisher_error: they keep the layer-output order
     key = "fisher_error" if all("fisher_error" in u for u in units) else "int4_error"
-    order = [u for u in sorted(range(len(units)), key=lambda u: (-units[u][key], u)) if u not in ret | int5]
+    values = [u for u in range(len(units)) if units[u]["kind"] == "v"]
+    int3 = set(sorted(values, key=lambda u: (units[u][key], u))[:n_outlier_units(int3_values, len(values))])
+    taken = set(band) | ret | int3
+    n_fp8 = min(n_outlier_units(fraction, len(units)), len(units) - len(taken))
+    order = [u for u in sorted(range(len(units)), key=lambda u: (-units[u][key], u)) if u not in taken]
     fp8 = set(order[:n_fp8])
     outlier, rotation = m.get("outlier_precision", "fp8"), m.get("rotation", "none")
     prec = [{"k": [], "v": []} for _ in range(c.num_layers)]
@@ -343,12 +372,12 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
     kcs = m["k_channel_scale"].clone()
     layers = [{"layer": i, "units": []} for i in range(c.num_layers)]
     for u, r in enumerate(units):
-        p = "int5" if u in int5 else "int8" if u in ret else outlier if u in fp8 else "int4"
+        p = band.get(u) or ("int8" if u in ret else "int3" if u in int3 else outlier if u in fp8 else "int4")
         prec[r["layer"]][r["kind"]].append(p)
         kv = 0 if r["kind"] == "k" else 1
         if p == "int4":
             clip[r["layer"], kv, r["head"]] = r["clip"]
-        elif kv == 0 and rotation == "none" and p != "int5":
+        elif kv == 0 and rotation == "none" and p not in ("int5", "int6"):
             kcs[r["layer"], r["head"]] = 1.0  # FP8 has per-element exponents: channel scaling buys nothing
         layers[r["layer"]]["units"].append({**r, "precision": p} | (
             {"retrieval_score": float(retrieval[r["layer"], r["head"]]), "retrieval": u in ret}
@@ -359,7 +388,8 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
                   k_mean=m.get("k_mean"))
     report = {"format": fmt, "outlier_fraction": fraction, "units": len(units), "fp8_units": n_fp8,
               "outlier_precision": outlier, "retrieval_units": len(ret), "rotation": rotation,
-              "int5_keys": int5_keys, "int5_units": len(int5),
+              "int5_keys": int5_keys, "int5_units": len(int5), "int6_keys": int6_keys,
+              "int6_units": len(band) - len(int5), "int3_values": int3_values, "int3_units": len(int3),
               "key_centering": m.get("k_mean") is not None,
               "group_size": plan.effective_group_size, "bytes_per_token": plan.bytes_per_token(),
               "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4),
@@ -409,7 +439,8 @@ def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len
         retrieval = retrieval_scores(verifier, probes)
     return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
                                  recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead,
-                                 retrieval=retrieval, retrieval_fraction=cfg.retrieval_fraction, int5_keys=cfg.int5_keys)
+                                 retrieval=retrieval, retrieval_fraction=cfg.retrieval_fraction, int5_keys=cfg.int5_keys,
+                                 int6_keys=cfg.int6_keys, int3_values=cfg.int3_values)
 
 
 def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, length: int) -> list[list[int]]:
@@ -456,15 +487,18 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
                                    "source": str(calibration_file) if calibration_file else cal.get("source")}
     plan.save(out_dir)
     fp8 = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"]
-           if u["precision"] not in ("int4", "int5", None) and not u.get("retrieval")]
+           if u["precision"] not in ("int4", "int5", "int6", "int3", None) and not u.get("retrieval")]
     ret = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"] if u.get("retrieval")]
     int5 = int5_key_layers(report.get("int5_keys", "none"), plan.num_layers)
+    int6 = int6_key_layers(report.get("int6_keys", "none"), plan.num_layers)
     rss = peak_rss_bytes()
     return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
                       f"{report.get('outlier_precision', 'fp8').upper()}{' ' + ' '.join(fp8) if fp8 else ''}"
                       f"{', rotated' if report.get('rotation') == 'hadamard' else ''}"
                       + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
+                      + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 else "")
                       + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 else "")
+                      + (f", {report['int3_units']} value units INT3" if report.get("int3_units") else "")
                       + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
                       + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")
                       + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from bpcompile.build.calibrate import int5_key_layers, n_outlier_units
+from bpcompile.build.calibrate import int5_key_layers, int6_key_layers, n_outlier_units
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import PRECISIONS
 from bpcompile.runtime.paged_kv import cache_pages, pages_per_sequence
@@ -68,13 +68,15 @@ def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dt
         return share * units * D * 2
     G = min(recipe.kv_cache.group_size, D)
     width = {p.name: p.payload_width(D) + 2 * (D // G) for p in PRECISIONS}  # payload + fp16 scales
-    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in INT5 / INT8 / the outlier precision
-        kv = recipe.kv_cache
+    if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in INT5 / INT6 / INT8 / INT3 / the
+        kv = recipe.kv_cache       # outlier precision (calibrate.plan_from_measurement's order)
         i5 = len(int5_key_layers(kv.int5_keys, L)) * KV
-        ret = min(n_outlier_units(kv.retrieval_fraction, units), L * KV - i5)
-        wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret - i5)
-        return share * (i5 * width["int5"] + ret * width["int8"] + wide * width[kv.outlier_precision]
-                        + (units - i5 - ret - wide) * width["int4"])
+        i6 = len(int6_key_layers(kv.int6_keys, L)) * KV
+        ret = min(n_outlier_units(kv.retrieval_fraction, units), L * KV - i5 - i6)
+        i3 = n_outlier_units(kv.int3_values, L * KV)
+        wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret - i5 - i6 - i3)
+        return share * (i5 * width["int5"] + i6 * width["int6"] + ret * width["int8"] + i3 * width["int3"]
+                        + wide * width[kv.outlier_precision] + (units - i5 - i6 - ret - i3 - wide) * width["int4"])
     return share * units * width[fmt]
 
 

@@ -215,6 +215,11 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         problem(("kv_cache", key), "exact FP16 entries (sink_tokens, recent_window) are read by the native target's "
                 "torch executor only, on a quantized format (not by the ONNX graphs, the TensorRT plugin or "
                 "TensorRT-LLM); set them to 0 or leave them auto")
+    if (kvc.int6_keys == "early" or kvc.int3_values) and not recipe.exact_entries_readable:
+        key = "int6_keys" if kvc.int6_keys == "early" else "int3_values"
+        problem(("kv_cache", key), "INT6 keys and INT3 values are read by the native target's torch executor only "
+                "(not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); set int6_keys: none and "
+                "int3_values: 0, or leave them auto")
     if recipe.target == "tensorrt-llm":  # what TensorRT-LLM 1.2's executor can hold, refused before any work
         kv = recipe.kv_cache.format
         if kv == "int4-fp8-outlier":

@@ -40,6 +40,12 @@ class Limits(_Strict):
         return self
 
 
+# int3_values: auto with INT6 keys: on SmolLM2 (30 layers, 3 KV heads, head size 64, 2048 tokens) the keys of
+# layers 0-9 in INT6 and 10-19 in INT5 with a window of 16 are 3.50x allocated with three quarters of the value
+# units in INT3 (the quarter most sensitive stays INT4)
+AUTO_INT3_VALUES = 0.75
+
+
 class KVCache(_Strict):
     format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
     outlier_fraction: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
@@ -51,7 +57,8 @@ class KVCache(_Strict):
     recent_window: Union[Annotated[int, Field(ge=0, le=4096)], Literal["auto"]] = Field(
         "auto", description="a query reads the K/V of the newest positions up to its own (this many, itself "
                             "included) from an FP16 copy; auto: for int4-fp8-outlier on the native target with "
-                            "the torch executor 10 with INT5 keys (what 3.5x leaves on SmolLM2) or 16 without, else 0")
+                            "the torch executor 16 (10 with INT5 keys but not INT6 ones: what 3.5x leaves on SmolLM2), "
+                            "else 0")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
     rotation: Literal["auto", "hadamard", "none"] = Field(
@@ -67,10 +74,20 @@ class KVCache(_Strict):
                             "for int4-fp8-outlier with an exact window (on SmolLM2 INT4 noise in those keys, next "
                             "to exact recent keys, changed what the model retrieves from 4k tokens back), else none")
 
+    int6_keys: Literal["auto", "early", "none"] = Field(
+        "auto", description="keys stored in INT6: 'early' = those of the first third of the layers. auto: early "
+                            "where int5_keys resolves to middle (on SmolLM2 INT4 or INT5 noise in those keys changed "
+                            "what the model retrieves from 2k tokens back), else none")
+    int3_values: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
+        "auto", description="share of the value units stored in INT3, the least sensitive first; auto: "
+                            f"{AUTO_INT3_VALUES} with INT6 keys (what pays for them at 3.5x on SmolLM2), else 0")
+
     @model_validator(mode="after")
-    def _int5_with_int4(self):
-        if self.int5_keys == "middle" and self.format != "int4-fp8-outlier":
-            raise ValueError(f"int5_keys: middle needs format int4-fp8-outlier, not {self.format}")
+    def _bands_with_int4(self):
+        for name, on in (("int5_keys", self.int5_keys == "middle"), ("int6_keys", self.int6_keys == "early"),
+                         ("int3_values", self.int3_values not in ("auto", 0, 0.0))):
+            if on and self.format != "int4-fp8-outlier":
+                raise ValueError(f"{name} needs format int4-fp8-outlier, not {self.format}")
         return self
 
 
@@ -159,8 +176,13 @@ class EngineConfig(_Strict):
         if kv.int5_keys == "auto":  # measured with the exact window: INT5 middle keys keep 4k retrieval as FP16's
             kv.int5_keys = "middle" if auto and kv.recent_window != 0 else "none"
         int5 = kv.int5_keys == "middle"
-        if kv.recent_window == "auto":  # with INT5 keys, what keeps the plan at >= 3.5x on SmolLM2 (2048 tokens)
-            kv.recent_window = (10 if int5 else 16) if auto else 0
+        if kv.int6_keys == "auto":  # measured with them: INT6 early keys keep 2k retrieval as FP16's
+            kv.int6_keys = "early" if int5 and auto else "none"
+        int6 = kv.int6_keys == "early"
+        if kv.int3_values == "auto":  # what pays for the INT6 keys
+            kv.int3_values = AUTO_INT3_VALUES if int6 else 0.0
+        if kv.recent_window == "auto":  # what keeps the plan at >= 3.5x on SmolLM2 (2048 tokens)
+            kv.recent_window = (16 if int6 else 10 if int5 else 16) if auto else 0
         exact = bool(kv.sink_tokens or kv.recent_window)
         if kv.outlier_fraction == "auto":  # INT5 keys take the bytes FP8 units would (and beat them on SmolLM2)
             kv.outlier_fraction = 0.0 if int5 else 0.01 if exact else 0.08

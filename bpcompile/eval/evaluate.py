@@ -123,6 +123,8 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
                      "fp8_units": sum(x == "fp8" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "int8_units": sum(x == "int8" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "int5_units": sum(x == "int5" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                     "int6_units": sum(x == "int6" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                     "int3_units": sum(x == "int3" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "compression_vs_fp16": round(allocated_compression(plan, c, seq_len, lookahead), 4),
                      "ppl": math.exp(nll / n), "top1_agreement": agree / seqs.numel(),
                      "kl_vs_fp16": kl / seqs.numel(),
@@ -140,12 +142,13 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
 
 def markdown_table(report: dict) -> str:
     nl = len(report["rows"][0]["attn_rel_error"]) if report["rows"] else 0
-    head = ("| KV cache | FP8 / INT8 / INT5 units | compression (allocated) | held-out ppl | Δppl | top-1 agreement | "
+    head = ("| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 units | compression (allocated) | held-out ppl | Δppl | top-1 agreement | "
             "KL vs FP16 KV (nats/token) | " + " | ".join(f"attn err L{i}" for i in range(nl)) + " |")
     lines = [head, "|" + "---|" * (7 + nl)]
     for r in report["rows"]:
         d = "" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
-        lines.append(f"| {r['name']} | {r['fp8_units']} / {r.get('int8_units', 0)} / {r.get('int5_units', 0)} | "
+        units = " / ".join(str(r.get(f"{x}_units", 0)) for x in ("fp8", "int8", "int5", "int6", "int3"))
+        lines.append(f"| {r['name']} | {units} | "
                      f"{r['compression_vs_fp16']:.2f}x | {r['ppl']:.4f} | {d} | "
                      f"{100 * r['top1_agreement']:.2f}% | {r['kl_vs_fp16']:.5f} | " + " | ".join(f"{e:.4f}" for e in r["attn_rel_error"]) + " |")
     lines.append(f"\n{report['sequences']} sequences x {report['seq_len']} tokens ({report['tokens']} positions) of "

@@ -40,7 +40,8 @@ import triton.language as tl  # noqa: E402
 from bpcompile.kernels.tree_mask import pack_bool_mask  # noqa: E402
 
 # Unit precision codes (bpcompile.runtime.kvcache): 0 = INT4, 1 = FP8, 2 = INT8, 3 = INT5. Kernels use the literals: a
-# Triton kernel cannot read plain module globals (the interpreter allows it, the compiler does not).
+# Triton kernel cannot read plain module globals (the interpreter allows it, the compiler does not). Codes 4 (INT6)
+# and 5 (INT3) are not read here: a plan with them runs on the PyTorch path (paged_kv.kernels_for).
 
 
 # =============================================================================================
@@ -417,7 +418,9 @@ def _store_args(store):
     order: INT4, FP8, INT8, INT5), then each precision's unit count."""
     if not hasattr(store, "payload"):
         raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8/INT5 pools), got {type(store).__name__}")
-    pools = store.pools()
+    if not store.kernel_readable:
+        raise ValueError("the kernels read INT4/FP8/INT8/INT5 units; this plan has INT6 or INT3 units (PyTorch path)")
+    pools = store.kernel_pools()
     payloads = pools[0::2]
     return (*(t.view(torch.uint8) if t.dtype == torch.int8 else t for t in pools), *(t.shape[1] for t in payloads))
 

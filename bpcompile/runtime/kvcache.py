@@ -191,24 +191,35 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int)
 INT5_ZERO = 16.0  # code of 0: code n holds the level n - 16 (n = 1..31; 0 is never written)
 
 
+def pack_planes(bits: torch.Tensor) -> torch.Tensor:
+    """One bit per element [..., D] (0 or 1) -> a plane of bytes [..., D/8]: bit b of byte i is element
+    i + b*D/8. A row's low half j < D/2 then finds its bit at bit j // (D/8) and its high half j + D/2 at bit
+    4 + j // (D/8) of the same byte j % (D/8): one gathered byte serves both halves, as INT4's nibbles do."""
+    e = bits.shape[-1] // 8
+    b = bits.to(torch.uint8).reshape(*bits.shape[:-1], 8, e)
+    return (b << _BIT[:, None].to(b.device)).sum(-2, dtype=torch.uint8)  # distinct bits: the sum is their OR
+
+
+def unpack_planes(plane: torch.Tensor) -> torch.Tensor:
+    """A plane [..., D/8] -> its bits [..., D] (uint8 0/1), inverse of pack_planes."""
+    bits = (plane[..., None, :] >> _BIT[:, None].to(plane.device)) & 1  # [..., 8, D/8]: bit b of byte i
+    return bits.reshape(*plane.shape[:-1], -1)
+
+
+_BIT = torch.arange(8, dtype=torch.uint8)  # bit positions of a plane byte
+
+
 def pack_int5(n: torch.Tensor) -> torch.Tensor:
     """5-bit codes [..., D] (0..31) -> bytes [..., 5D/8]: the low 4 bits as pack_int4 packs nibbles (bytes
-    [0, D/2)), then a plane of the high bits (bytes [D/2, 5D/8)): bit b of byte D/2 + i is bit 4 of element
-    i + b*D/8. A row's low half j < D/2 then finds its high bit at bit j // (D/8) and its high half at bit
-    4 + j // (D/8) of the same plane byte D/2 + j % (D/8): one gathered byte serves both halves."""
+    [0, D/2)), then the plane of bit 4 (bytes [D/2, 5D/8), pack_planes)."""
     n = n.to(torch.uint8)
-    e = n.shape[-1] // 8
-    hb = (n >> 4).reshape(*n.shape[:-1], 8, e)
-    plane = sum(hb[..., b, :] << b for b in range(8)).to(torch.uint8)
-    return torch.cat((pack_int4(n & 0xF), plane), dim=-1)
+    return torch.cat((pack_int4(n & 0xF), pack_planes(n >> 4)), dim=-1)
 
 
 def unpack_int5(b: torch.Tensor) -> torch.Tensor:
     """Bytes [..., 5D/8] -> codes [..., D] (uint8 0..31), inverse of pack_int5."""
     d = b.shape[-1] * 8 // 5
-    plane = b[..., d // 2:]
-    hb = torch.cat([(plane >> i) & 1 for i in range(8)], dim=-1)  # element i + b*D/8 at position b*D/8 + i
-    return unpack_int4(b[..., :d // 2]) | (hb << 4)
+    return unpack_int4(b[..., :d // 2]) | (unpack_planes(b[..., d // 2:]) << 4)
 
 
 def quantize_int5(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +234,71 @@ def quantize_int5(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 def dequantize_int5(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     q = unpack_int5(packed).float() - INT5_ZERO
+    return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+
+
+INT6_ZERO = 32.0  # code of 0: code n holds the level n - 32 (n = 1..63; 0 is never written)
+
+
+def pack_int6(n: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [..., D] (0..63) -> bytes [..., 3D/4]: INT5's layout (low nibbles, plane of bit 4), then the
+    plane of bit 5 (bytes [5D/8, 3D/4))."""
+    n = n.to(torch.uint8)
+    hi = n >> 4
+    planes = pack_planes(torch.stack((hi & 1, hi >> 1), dim=-2))  # [..., 2, D/8]: bits 4 and 5
+    return torch.cat((pack_int4(n & 0xF), planes.flatten(-2)), dim=-1)
+
+
+def unpack_int6(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 3D/4] -> codes [..., D] (uint8 0..63), inverse of pack_int6."""
+    d, e = b.shape[-1] * 4 // 3, b.shape[-1] // 6
+    hi = unpack_planes(b[..., d // 2:].unflatten(-1, (2, e)))  # [..., 2, D]: bits 4 and 5
+    return unpack_int4(b[..., :d // 2]) | (hi[..., 0, :] << 4) | (hi[..., 1, :] << 5)
+
+
+def quantize_int6(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT6: s = fp16(absmax/31), q = clamp(rne(x/s), -31, 31), code = q + 32, packed by pack_int6.
+    What it is for: the keys of the first layers, whose INT4 and INT5 noise changes what SmolLM2 retrieves from
+    2k tokens back (docs/KV_FORMAT.md §6)."""
+    xg, s = _scales(x, group_size, 31.0)
+    n = round_half_even(_divide(xg, s)).clamp_(-31, 31).add_(INT6_ZERO)
+    return pack_int6(n.reshape(x.shape)), s
+
+
+def dequantize_int6(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    q = unpack_int6(packed).float() - INT6_ZERO
+    return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+
+
+INT3_CLIP = 0.8  # s = fp16(0.8 * absmax / 3.5): on a Gaussian group of 64 the error of the best RMS-set step
+
+
+def pack_int3(n: torch.Tensor) -> torch.Tensor:
+    """3-bit codes [..., D] (0..7) -> bytes [..., 3D/8]: the planes of bits 0, 1 and 2 (pack_planes)."""
+    n = n.to(torch.uint8)
+    bits = (n[..., None, :] >> _BIT[:3, None].to(n.device)) & 1  # [..., 3, D]: bits 0, 1, 2
+    return pack_planes(bits).flatten(-2)
+
+
+def unpack_int3(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 3D/8] -> codes [..., D] (uint8 0..7), inverse of pack_int3."""
+    bits = unpack_planes(b.unflatten(-1, (3, b.shape[-1] // 3)))  # [..., 3, D]
+    return (bits << _BIT[:3, None].to(b.device)).sum(-2, dtype=torch.uint8)
+
+
+def quantize_int3(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT3 on a grid without a zero: code n (0..7) holds the level (n - 3.5) * s, s = fp16(0.8 * absmax / 3.5),
+    n = clamp(floor(x / s) + 4, 0, 7) (the nearest level: levels sit at the cells' midpoints). Eight levels, all
+    used; the clip is fixed: after the Hadamard rotation a group of 64 is close to Gaussian, where 0.8 of the
+    absmax gives the squared error of the best RMS-set step and, unlike an RMS, a maximum does not depend on the
+    order of a reduction. What it is for: value units, which tolerate the noise (docs/KV_FORMAT.md §6)."""
+    xg, s = _scales(x, group_size, 3.5, INT3_CLIP)
+    n = (torch.floor(_divide(xg, s)) + 4).clamp_(0, 7)
+    return pack_int3(n.reshape(x.shape)), s
+
+
+def dequantize_int3(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    q = unpack_int3(packed).float() - 3.5
     return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
 
 
@@ -307,6 +383,24 @@ def _encode_int4(x, group_size, clip, decoded):
     return pack_int4(n.reshape(x.shape)), s, dec
 
 
+def _encode_symmetric(qmax: float, pack):
+    """INT5 / INT6's encode: s = fp16(absmax / qmax), q = clamp(rne(x / s), -qmax, qmax), code q + qmax + 1; what a
+    read decodes, q * s, computed from the levels (the packed codes round-trip exactly)."""
+    def encode(x, group_size, clip, decoded):
+        xg, s = _scales(x, group_size, qmax)
+        q = round_half_even(_divide(xg, s)).clamp_(-qmax, qmax)
+        dec = (q * s.float()[..., None]).reshape(x.shape) if decoded else None
+        return pack((q + (qmax + 1)).reshape(x.shape)), s, dec
+    return encode
+
+
+def _encode_int3(x, group_size, clip, decoded):
+    xg, s = _scales(x, group_size, 3.5, INT3_CLIP)
+    n = (torch.floor(_divide(xg, s)) + 4).clamp_(0, 7)
+    dec = ((n - 3.5) * s.float()[..., None]).reshape(x.shape) if decoded else None
+    return pack_int3(n.reshape(x.shape)), s, dec
+
+
 def _codec(quantize, dequantize):
     def encode(x, group_size, clip, decoded):
         q, s = quantize(x, group_size)
@@ -318,11 +412,16 @@ PRECISIONS = (
     UnitPrecision("int4", 0, torch.uint8, lambda d: d // 2, _encode_int4, dequantize_int4),
     UnitPrecision("fp8", 1, torch.uint8, lambda d: d, _codec(quantize_fp8, dequantize_fp8), dequantize_fp8),
     UnitPrecision("int8", 2, torch.int8, lambda d: d, _codec(quantize_int8, dequantize_int8), dequantize_int8),
-    UnitPrecision("int5", 3, torch.uint8, lambda d: d * 5 // 8, _codec(quantize_int5, dequantize_int5), dequantize_int5),
+    UnitPrecision("int5", 3, torch.uint8, lambda d: d * 5 // 8, _encode_symmetric(15.0, pack_int5), dequantize_int5),
+    UnitPrecision("int6", 4, torch.uint8, lambda d: d * 3 // 4, _encode_symmetric(31.0, pack_int6), dequantize_int6),
+    UnitPrecision("int3", 5, torch.uint8, lambda d: d * 3 // 8, _encode_int3, dequantize_int3),
 )
 BY_CODE = {p.code: p for p in PRECISIONS}
 PRECISION_CODES = {p.name: p.code for p in PRECISIONS}
-INT4, FP8, INT8, INT5 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8", "int5"))
+INT4, FP8, INT8, INT5, INT6, INT3 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8", "int5", "int6", "int3"))
+# the precisions the Triton kernels, the ONNX step graphs and the TensorRT plugin read: a plan with a unit of
+# another (INT6, INT3) runs on the PyTorch path (like a plan with exact entries)
+KERNEL_PRECISIONS = PRECISIONS[:4]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,9 +493,16 @@ class KVPlan:
             if bad := used - set(PRECISION_CODES):
                 raise UserError(f"unknown unit precision(s) {sorted(bad)}; expected one of {', '.join(PRECISION_CODES)}",
                                 key="precision")
-            if "int5" in used and self.head_size % 8:
-                raise UserError(f"int5 units pack 8 values in 5 bytes: head size {self.head_size} is not a multiple "
-                                "of 8", key="precision")
+            if used & {"int5", "int6", "int3"} and self.head_size % 8:
+                raise UserError(f"{'/'.join(sorted(used & {'int5', 'int6', 'int3'}))} units pack bit planes of 8 "
+                                f"values a byte: head size {self.head_size} is not a multiple of 8", key="precision")
+
+    @property
+    def kernel_readable(self) -> bool:
+        """Whether every unit is of a precision the Triton kernels, the ONNX graphs and the TensorRT plugin read
+        (KERNEL_PRECISIONS); INT6 and INT3 units are read by the PyTorch path only."""
+        names = {p.name for p in KERNEL_PRECISIONS}
+        return all(x in names for p in self.precision for t in ("k", "v") for x in p[t])
 
     @property
     def has_exact(self) -> bool:
@@ -566,9 +672,19 @@ class QuantKVStore(KVStore):
                  self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
                 for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
 
-    def pools(self) -> list[torch.Tensor]:
-        """Payload and scale pool of each precision, in registry order (the kernels' argument order)."""
-        return [t for prec in PRECISIONS for t in (self.payload[prec.code], self.scales[prec.code])]
+    def pools(self, precisions=PRECISIONS) -> list[torch.Tensor]:
+        """Payload and scale pool of each of `precisions` (default: all), in registry order. The kernels, the ONNX
+        graphs and the plugin take those of KERNEL_PRECISIONS, in that order."""
+        return [t for prec in precisions for t in (self.payload[prec.code], self.scales[prec.code])]
+
+    def kernel_pools(self) -> list[torch.Tensor]:
+        """The pools the kernels, the ONNX graphs and the plugin take: those of KERNEL_PRECISIONS, in order."""
+        return self.pools(KERNEL_PRECISIONS)
+
+    @property
+    def kernel_readable(self) -> bool:
+        """Whether every unit is of a precision the kernels, the ONNX graphs and the plugin read."""
+        return self.plan.kernel_readable
 
     def _split(self, slots):
         return slots // self.page_size, slots % self.page_size

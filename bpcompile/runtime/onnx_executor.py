@@ -19,7 +19,7 @@ from bpcompile.core.errors import MissingDependency, UserError
 from bpcompile.kernels.tree_mask import pack_rows
 from bpcompile.runtime import plugin_ops as ops
 from bpcompile.runtime.executor import Executor
-from bpcompile.runtime.kvcache import PRECISIONS
+from bpcompile.runtime.kvcache import KERNEL_PRECISIONS
 from bpcompile.runtime.model import Llama
 from bpcompile.runtime.paged_kv import PagedKV
 from bpcompile.runtime.request import Request
@@ -72,7 +72,7 @@ def _register_all() -> None:
     if _REGISTERED:
         return
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
-    pools = [p.payload_dtype if part == "payload" else torch.float16 for p in PRECISIONS
+    pools = [p.payload_dtype if part == "payload" else torch.float16 for p in KERNEL_PRECISIONS
              for part in ("payload", "scales")]
     tables = [torch.int8, i32, f32, f32]  # unit_precision, unit_index, k_channel_scale, int4_clip
     meta = [i32] * len(ops.ATTENTION_META)
@@ -145,6 +145,9 @@ class OnnxExecutor(Executor):
                             f"{device})", key="executor")
         if kv.dense is not None:
             raise ValueError("the onnxruntime executor reads the paged store, not a dense copy")
+        if ops.is_quantized(kv.store) and not kv.store.kernel_readable:
+            raise UserError("the ONNX step graphs read INT4/FP8/INT8/INT5 units; this KV plan has INT6 or INT3 "
+                            "units, which the torch executor reads (kv_cache: int6_keys / int3_values)", key="executor")
         _register_all()
         rename = _renames(kv.store)
         self.prefill_sess = _session(Path(graphs) / "prefill.onnx", rename)

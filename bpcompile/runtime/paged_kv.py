@@ -313,6 +313,9 @@ def kernels_for(store: KVStore, device: torch.device):
         if store.plan.has_exact:
             _warn_once("the Triton kernels do not read exact (sink / recent-window) entries; using the PyTorch path")
             return None
+        if not store.kernel_readable:
+            _warn_once("the Triton kernels do not read INT6 or INT3 units; using the PyTorch path")
+            return None
         from bpcompile.kernels import paged as kernels
         if _kernels_take(store.head_size, store.G):
             return kernels

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from bpcompile.runtime.kvcache import BY_CODE, PRECISIONS, FloatKVStore, KVPlan, QuantKVStore
+from bpcompile.runtime.kvcache import BY_CODE, KERNEL_PRECISIONS, FloatKVStore, KVPlan, QuantKVStore
 from bpcompile.runtime.paged_kv import AttnBatch, dense_attention
 
 DOMAIN = "ai.onnx.contrib"  # where ONNX Runtime's Python custom ops resolve; TensorRT matches on op type
@@ -36,8 +36,9 @@ FIELDS = {
 FLOAT_FIELDS = {"sm_scale"}
 
 # Graph inputs after the op's own (k, v, slots / q and the attention metadata): the quantized cache's pools
-# (payload and fp16 scales per precision, registry order) and its unit tables; the float cache's K and V pools.
-QUANT_POOLS = tuple(f"{p.name}_{part}" for p in PRECISIONS for part in ("payload", "scales"))
+# (payload and fp16 scales per precision the graphs read, registry order) and its unit tables; the float cache's
+# K and V pools.
+QUANT_POOLS = tuple(f"{p.name}_{part}" for p in KERNEL_PRECISIONS for part in ("payload", "scales"))
 QUANT_TABLES = ("unit_precision", "unit_index", "k_channel_scale")  # + int4_clip for the append
 FLOAT_POOLS = ("k_pool", "v_pool")
 ATTENTION_META = ("block_tables", "context_lens", "tree_lens", "q_lens", "tree_mask")
@@ -49,7 +50,7 @@ def is_quantized(store) -> bool:
 
 def pools_of(store) -> list[torch.Tensor]:
     """The store's pools as the graphs take them (a store's tensors themselves: binding them costs nothing)."""
-    return store.pools() if is_quantized(store) else [store.k, store.v]
+    return store.kernel_pools() if is_quantized(store) else [store.k, store.v]
 
 
 def pool_names(store) -> tuple[str, ...]:
@@ -84,7 +85,7 @@ def _quant_view(pools, unit_precision, k_channel_scale, int4_clip, group_size: i
                       k_channel_scale=k_channel_scale.clone(), int4_clip=int4_clip.clone())
         store = _VIEWS[key] = QuantKVStore(plan, 0, page_size, dtype=dtype)
     store.num_pages = pools[0].shape[0]
-    for i, prec in enumerate(PRECISIONS):
+    for i, prec in enumerate(KERNEL_PRECISIONS):
         store.payload[prec.code], store.scales[prec.code] = pools[2 * i], pools[2 * i + 1]
     return store
 
