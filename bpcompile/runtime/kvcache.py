@@ -227,14 +227,24 @@ def quantize_int5(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     x [..., D] -> (uint8 [..., 5D/8], scales fp16 [..., D/G]). Plain absmax, like FP8 and INT8 (calibration
     searches clip ratios for INT4 units only). What it is for: the keys of the layers where INT4's noise changes
     what the model retrieves from far back (docs/KV_FORMAT.md §6)."""
-    xg, s = _scales(x, group_size, 15.0)
-    n = round_half_even(_divide(xg, s)).clamp_(-15, 15).add_(INT5_ZERO)
-    return pack_int5(n.reshape(x.shape)), s
+    q, s = _symmetric_levels(x, group_size, 15.0)
+    return pack_int5((q + INT5_ZERO).reshape(x.shape)), s
 
 
 def dequantize_int5(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    q = unpack_int5(packed).float() - INT5_ZERO
-    return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+    return _scaled(unpack_int5(packed).float() - INT5_ZERO, scales, group_size)
+
+
+def _symmetric_levels(x: torch.Tensor, group_size: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT5's and INT6's levels: s = fp16(absmax / qmax), q = clamp(rne(x / s), -qmax, qmax), grouped
+    [..., D/G, G] as float32, and the fp16 scales."""
+    xg, s = _scales(x, group_size, qmax)
+    return round_half_even(_divide(xg, s)).clamp_(-qmax, qmax), s
+
+
+def _scaled(levels: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Levels [..., D] times their group's scale -> float32 [..., D] (what a read gives)."""
+    return (_groups(levels, group_size) * scales.float()[..., None]).reshape(levels.shape)
 
 
 INT6_ZERO = 32.0  # code of 0: code n holds the level n - 32 (n = 1..63; 0 is never written)
@@ -260,14 +270,12 @@ def quantize_int6(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     """Symmetric INT6: s = fp16(absmax/31), q = clamp(rne(x/s), -31, 31), code = q + 32, packed by pack_int6.
     What it is for: the keys of the first layers, whose INT4 and INT5 noise changes what SmolLM2 retrieves from
     2k tokens back (docs/KV_FORMAT.md §6)."""
-    xg, s = _scales(x, group_size, 31.0)
-    n = round_half_even(_divide(xg, s)).clamp_(-31, 31).add_(INT6_ZERO)
-    return pack_int6(n.reshape(x.shape)), s
+    q, s = _symmetric_levels(x, group_size, 31.0)
+    return pack_int6((q + INT6_ZERO).reshape(x.shape)), s
 
 
 def dequantize_int6(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    q = unpack_int6(packed).float() - INT6_ZERO
-    return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+    return _scaled(unpack_int6(packed).float() - INT6_ZERO, scales, group_size)
 
 
 INT3_CLIP = 0.8  # s = fp16(0.8 * absmax / 3.5): on a Gaussian group of 64 the error of the best RMS-set step
@@ -292,14 +300,18 @@ def quantize_int3(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     used; the clip is fixed: after the Hadamard rotation a group of 64 is close to Gaussian, where 0.8 of the
     absmax gives the squared error of the best RMS-set step and, unlike an RMS, a maximum does not depend on the
     order of a reduction. What it is for: value units, which tolerate the noise (docs/KV_FORMAT.md §6)."""
-    xg, s = _scales(x, group_size, 3.5, INT3_CLIP)
-    n = (torch.floor(_divide(xg, s)) + 4).clamp_(0, 7)
+    n, s = _int3_levels(x, group_size)
     return pack_int3(n.reshape(x.shape)), s
 
 
+def _int3_levels(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int3 before packing: codes as float32, grouped [..., D/G, G], and the fp16 scales."""
+    xg, s = _scales(x, group_size, 3.5, INT3_CLIP)
+    return (torch.floor(_divide(xg, s)) + 4).clamp_(0, 7), s
+
+
 def dequantize_int3(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    q = unpack_int3(packed).float() - 3.5
-    return (_groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+    return _scaled(unpack_int3(packed).float() - 3.5, scales, group_size)
 
 
 def encode_fp8_e4m3(y: torch.Tensor) -> torch.Tensor:
@@ -387,16 +399,14 @@ def _encode_symmetric(qmax: float, pack):
     """INT5 / INT6's encode: s = fp16(absmax / qmax), q = clamp(rne(x / s), -qmax, qmax), code q + qmax + 1; what a
     read decodes, q * s, computed from the levels (the packed codes round-trip exactly)."""
     def encode(x, group_size, clip, decoded):
-        xg, s = _scales(x, group_size, qmax)
-        q = round_half_even(_divide(xg, s)).clamp_(-qmax, qmax)
+        q, s = _symmetric_levels(x, group_size, qmax)
         dec = (q * s.float()[..., None]).reshape(x.shape) if decoded else None
         return pack((q + (qmax + 1)).reshape(x.shape)), s, dec
     return encode
 
 
 def _encode_int3(x, group_size, clip, decoded):
-    xg, s = _scales(x, group_size, 3.5, INT3_CLIP)
-    n = (torch.floor(_divide(xg, s)) + 4).clamp_(0, 7)
+    n, s = _int3_levels(x, group_size)
     dec = ((n - 3.5) * s.float()[..., None]).reshape(x.shape) if decoded else None
     return pack_int3(n.reshape(x.shape)), s, dec
 
