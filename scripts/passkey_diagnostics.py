@@ -17,6 +17,8 @@ every row against FP16 KV on the same trials (paired difference, 95% paired-boot
     .venv/bin/python scripts/passkey_diagnostics.py midbits-budget --engine engines/smollm2/1 --length 4096 --trials 50 --seed 0
     .venv/bin/python scripts/passkey_diagnostics.py int5-2k --engine engines/smollm2/2 --length 2048 --trials 200 --seed 0 --depth 0.2:0.6
     .venv/bin/python scripts/passkey_diagnostics.py two-bands --engine engines/smollm2/2 --length 2048 --trials 200 --seed 0 --depth 0.2:0.6 --no-fidelity
+    .venv/bin/python scripts/passkey_diagnostics.py values-bands --engine engines/smollm2/3 --length 4096 --trials 48 --seed 0
+    .venv/bin/python scripts/passkey_diagnostics.py engines --engine ENGINE --compare ENGINE2,ENGINE3 --length 4096 --trials 48 --seed 0
 
 For the first five, the engine's plan is the one before retrieval units: build a version of recipes/smollm2.yaml with
 `kv_cache: {outlier_fraction: 0.02, retrieval_fraction: 0}` (the rest auto: INT4 with 4 FP8 units and a
@@ -73,6 +75,15 @@ layers 0-4 or 5-9 in INT8.
 keeps only the trials whose key lies at a depth in [A, B) of the filler (at 2k, the trials where FP16 KV and the
 plans disagree lie at depths 0.3-0.6; nearer the end all retrieve, nearer the start nearly none do), so that a
 screen costs half the trials; a count on those trials is not an accuracy over all of them.
+
+values-bands starts from the twentieth session's default (`engines/smollm2/3`: the keys of layers 0-9 INT6 and
+10-19 INT5, the 68 least sensitive values INT3, window 16), which over-retrieved at 4k, and asks whether its INT3
+values are why: the values of layers 10-19 back in INT4 and every other value in INT3 (the longest window that keeps
+3.5x), and, as a diagnostic, its values under the INT5-keys default's keys (layers 0-9 INT4).
+
+engines: rows are whole plans as `bpcompile build` calibrated them: the --engine version's and those of the
+versions named by --compare (e.g. recipes/smollm2.yaml with another `recent_window` or `int3_values`), so that a
+screen measures exactly what a recipe would ship.
 """
 from __future__ import annotations
 
@@ -365,6 +376,10 @@ FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window"
                 "midbits-budget")
 # the experiments that start from the default with INT5 keys
 FROM_INT5 = ("int5-2k", "two-bands")
+# the experiment whose rows are other engine versions' own plans (as `bpcompile build` calibrated them)
+ENGINES = ("engines",)
+# the experiment that starts from the default with INT6 keys and INT3 values
+FROM_INT3 = ("values-bands",)
 
 
 def depth_range(text: str) -> tuple[float, float]:
@@ -381,7 +396,7 @@ def depth_range(text: str) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates") + FROM_DEFAULT
-                    + FROM_INT5)
+                    + FROM_INT5 + ENGINES + FROM_INT3)
     ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
                     "the default engine)")
     ap.add_argument("--length", default="4096", help="prompt length in tokens, or several, comma-separated")
@@ -393,6 +408,7 @@ def main() -> int:
     ap.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the held-out fidelity rows")
     ap.add_argument("--depth", default=None, type=depth_range,
                     help="only the trials whose key depth is in [A, B), as A:B")
+    ap.add_argument("--compare", default="", help="engines: more engine versions whose plans are rows (comma-separated)")
     ap.add_argument("--out", default=None, help="write the per-trial outcomes here (JSON)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -407,10 +423,12 @@ def main() -> int:
         ap.error(f"{d}: {a.experiment} starts from the plan before INT5 keys (INT8 retrieval keys and an exact window: "
                  "build recipes/smollm2.yaml with kv_cache: {int5_keys: none})")
     has_int5 = any(x == "int5" for layer in plan.precision for x in layer["k"])
-    if (a.experiment in FROM_INT5) != has_int5:
+    if a.experiment in FROM_INT3 and not any(x == "int3" for layer in plan.precision for x in layer["v"]):
+        ap.error(f"{d}: {a.experiment} starts from the default plan with INT3 values (engines/smollm2/3)")
+    if a.experiment not in ENGINES + FROM_INT3 and (a.experiment in FROM_INT5) != has_int5:
         ap.error(f"{d}: {a.experiment} " + ("starts from the default plan with INT5 keys (engines/smollm2/2)"
                  if a.experiment in FROM_INT5 else "starts from a plan without INT5 keys"))
-    if a.experiment not in FROM_DEFAULT + FROM_INT5 and has_int8:
+    if a.experiment not in FROM_DEFAULT + FROM_INT5 + ENGINES + FROM_INT3 and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     show = fidelity if a.fidelity else (lambda *args: None)
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
@@ -596,6 +614,30 @@ def main() -> int:
         p = deepcopy(plan)  # diagnostic above 3.5x: is INT6 fine enough for the first third's keys?
         p.precision[:10] = [dict(layer, k=["int6"] * p.num_kv_heads) for layer in p.precision[:10]]
         plans["keys of layers 0-9 INT6"] = p
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "engines":  # the engine's plan and --compare's, each as its build calibrated it
+        plans = {str(d): plan} | {x: KVPlan.load(Path(x) / "kv_plan") for x in a.compare.split(",") if x}
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "values-bands":  # does 4k over-retrieve because of the INT3 values, and which layers'?
+        def values(p, int3_layers):
+            p = deepcopy(p)
+            for layer, lay in enumerate(p.precision):
+                lay["v"] = ["int3" if layer in int3_layers else "int4" for _ in lay["v"]]
+            return p
+        outside = set(range(10)) | set(range(20, 30))
+        plans = {"values of layers 10-19 INT4, the others INT3": longest_window(values(plan, outside), v.cfg)}
+        p = deepcopy(plan)  # diagnostic: the INT5-keys default's keys (layers 0-9 INT4) under this plan's values
+        for lay in p.precision[:10]:
+            lay["k"] = ["int4" if x == "int6" else x for x in lay["k"]]
+        plans["diagnostic: keys of layers 0-9 INT4, values as the plan"] = p
         for name, p in plans.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
         show(v, d / "tokenizer", plans, {})

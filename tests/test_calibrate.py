@@ -275,11 +275,11 @@ def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_pat
     assert sum(x == "fp8" for p in p5.precision for x in p["k"] + p["v"]) == 3
     # 2 INT5 units of (10 + 2) bytes, 1 INT8 and 3 FP8 of (16 + 2), 6 INT4 of (8 + 2)
     assert p5.bytes_per_token() == 2 * 12 + 4 * 18 + 6 * 10
-    # INT6 keys (the first third: layer 0) with them, and half the 6 value units (the 3 least sensitive) in INT3;
-    # the 3 FP8 units are the most sensitive of what is left
+    # INT6 keys (the first third: layer 0) with them, and half the 6 value units in INT3: the 3 least sensitive,
+    # those of the INT5 keys' layer (1) last; the 3 FP8 units are the most sensitive of what is left
     p6, rep6 = plan_from_measurement(m, model.cfg, 0.25, int5_keys="middle", int6_keys="early", int3_values=0.5)
     assert p6.precision[0]["k"] == ["int6", "int6"] and p6.precision[1]["k"] == ["int5", "int5"]
-    values = sorted((u for u in m["units"] if u["kind"] == "v"), key=lambda u: u["fisher_error"])
+    values = sorted((u for u in m["units"] if u["kind"] == "v"), key=lambda u: (u["layer"] == 1, u["fisher_error"]))
     assert {(u["layer"], u["head"]) for u in values[:3]} == {
         (layer, h) for layer in range(3) for h in range(2) if p6.precision[layer]["v"][h] == "int3"}
     rest = sorted((u for u in m["units"] if p6.precision[u["layer"]][u["kind"]][u["head"]] != "int3"
@@ -288,6 +288,9 @@ def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_pat
     assert (rep6["int6_units"], rep6["int5_units"], rep6["int3_units"], rep6["fp8_units"]) == (2, 2, 3, 3)
     # 2 INT6 units of (12 + 2) bytes, 2 INT5 of (10 + 2), 3 INT3 of (6 + 2), 3 FP8 of (16 + 2), 2 INT4 of (8 + 2)
     assert p6.bytes_per_token() == 2 * 14 + 2 * 12 + 3 * 8 + 3 * 18 + 2 * 10
+    # two thirds of them: every value outside the INT5 keys' layer, none of its own, whatever their sensitivity
+    p7, _ = plan_from_measurement(m, model.cfg, 0.0, int5_keys="middle", int6_keys="early", int3_values=2 / 3)
+    assert [p7.precision[layer]["v"] for layer in range(3)] == [["int3"] * 2, ["int4"] * 2, ["int3"] * 2]
     res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "int6_keys": "early", "int3_values": 0.5},
                                  {"samples": 2, "length": 24}, tmp_path / "kv6")
     assert "keys of layers 0-0 INT6" in res["detail"] and "3 value units INT3" in res["detail"], res["detail"]

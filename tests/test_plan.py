@@ -90,12 +90,12 @@ def test_exact_entries_add_their_copies_per_sequence():
     p3 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
                                                            "int3_values": 0}}), _spec(L70), _spec(L1B), DEVICES["h200"])
     assert p3["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 26 * 8 * 16 / 8
-    # and int6_keys' and int3_values' autos with them: the keys of the first third (layers 0-26: 27 x 8 units) in
-    # INT6, 32 more payload bytes each than INT4 (96 against 64), and round(0.75 * 640) = 480 value units in INT3,
+    # and INT6 keys (opt-in) with int3_values' auto: the keys of the first third (layers 0-26: 27 x 8 units) in
+    # INT6, 32 more payload bytes each than INT4 (96 against 64), and round(0.6667 * 640) = 427 value units in INT3,
     # 16 fewer each (48 against 64)
-    p4 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto"}}), _spec(L70), _spec(L1B),
-              DEVICES["h200"])
-    assert p4["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == (27 * 8 * 32 - 480 * 16) / 8
+    p4 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "early"}}),
+              _spec(L70), _spec(L1B), DEVICES["h200"])
+    assert p4["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == (27 * 8 * 32 - 427 * 16) / 8
 
 
 def test_small_config_by_hand():

@@ -36,11 +36,10 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 
 @pytest.mark.parametrize("target,executor,fmt,extra,want", [
-    # the default: a 16-position exact window, the keys of the first third of the layers in INT6 and of the middle
-    # third in INT5, three quarters of the value units in INT3, nothing else
-    ("native", "torch", "int4-fp8-outlier", {}, (0, 16, 0.0, 0.0, "middle", "early", 0.75)),
-    # without INT6 keys: INT5 keys, a 10-position window and no INT3 values (the previous default)
-    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0)),
+    # the default: a 10-position exact window, the keys of the middle third of the layers in INT5, nothing else
+    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "none", 0.0)),
+    # with INT6 keys (opt-in): the first third's keys in INT6, two thirds of the value units in INT3, window 11
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early"}, (0, 11, 0.0, 0.0, "middle", "early", 0.6667)),
     # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
     ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none", "none", 0.0)),
     # without a window: no INT5 or INT6 keys either (they are what keeps retrieval next to exact recent keys)

@@ -159,16 +159,14 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     plan = KVPlan.load(Path(out["path"]) / "kv_plan")
-    # the recipe's autos on the native target: a 16-token FP16 window (no sink), the keys of layers 0-9 (the first
-    # third) in INT6 and of layers 10-19 (the middle third) in INT5, round(0.75 * 90) = 68 of the value units in
-    # INT3, every other unit INT4; >= 3.5x with the window's copies counted at the recipe's 2048 tokens and dynamic
-    # tree of 5 (6 entries a step)
-    assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 16)
+    # the recipe's autos on the native target: a 10-token FP16 window (no sink) and the keys of layers 10-19 (the
+    # middle third) in INT5, every other unit INT4; >= 3.5x with the window's copies counted at the recipe's 2048
+    # tokens and dynamic tree of 5 (6 entries a step)
+    assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 10)
     assert plan.compression_vs_fp16(2048, 6) >= 3.5
-    keys = {(i, h, x) for i, layer in enumerate(plan.precision) for h, x in enumerate(layer["k"]) if x != "int4"}
-    assert keys == {(i, h, "int6" if i < 10 else "int5") for i in range(20) for h in range(3)}, keys
-    values = [x for layer in plan.precision for x in layer["v"]]
-    assert values.count("int3") == 68 and values.count("int4") == 22, values
+    wide = {(i, t, h, x) for i, layer in enumerate(plan.precision) for t in "kv" for h, x in enumerate(layer[t])
+            if x != "int4"}
+    assert wide == {(i, "k", h, "int5") for i in range(10, 20) for h in range(3)}, wide
     res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "What is the capital of France?",
                                     "--max-tokens", "16", "--json"])
     assert res.exit_code == 0, res.output

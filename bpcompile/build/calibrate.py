@@ -347,7 +347,7 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
     keys of int5_key_layers(int5_keys) are stored in INT5 and those of int6_key_layers(int6_keys) in INT6, first.
     retrieval: [L, KV] scores (retrieval_scores); the keys of the round(retrieval_fraction * units) highest of the
     rest go to INT8. Then the round(int3_values * value units) values with the smallest sensitivity go to INT3,
-    and the outlier units are chosen among the rest."""
+    those of the INT5 keys' layers last, and the outlier units are chosen among the rest."""
     c = model_cfg
     units = m["units"]
     band = {u: p for p, layers in (("int5", int5_key_layers(int5_keys, c.num_layers)),
@@ -361,7 +361,11 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
     # plans measured before the loss-based selection have no fisher_error: they keep the layer-output order
     key = "fisher_error" if all("fisher_error" in u for u in units) else "int4_error"
     values = [u for u in range(len(units)) if units[u]["kind"] == "v"]
-    int3 = set(sorted(values, key=lambda u: (units[u][key], u))[:n_outlier_units(int3_values, len(values))])
+    # The values of the layers whose keys are INT5 go to INT3 last: on SmolLM2 INT3 values there made the model
+    # retrieve from 4k tokens back what it does not with FP16 KV (the layers where that retrieval happens).
+    middle = set(int5_key_layers(int5_keys, c.num_layers))
+    int3 = set(sorted(values, key=lambda u: (units[u]["layer"] in middle, units[u][key], u))
+               [:n_outlier_units(int3_values, len(values))])
     taken = set(band) | ret | int3
     n_fp8 = min(n_outlier_units(fraction, len(units)), len(units) - len(taken))
     order = [u for u in sorted(range(len(units)), key=lambda u: (-units[u][key], u)) if u not in taken]

@@ -40,10 +40,11 @@ class Limits(_Strict):
         return self
 
 
-# int3_values: auto with INT6 keys: on SmolLM2 (30 layers, 3 KV heads, head size 64, 2048 tokens) the keys of
-# layers 0-9 in INT6 and 10-19 in INT5 with a window of 16 are 3.50x allocated with three quarters of the value
-# units in INT3 (the quarter most sensitive stays INT4)
-AUTO_INT3_VALUES = 0.75
+# int3_values: auto with INT6 keys (int6_keys: early, opt-in): on SmolLM2 (30 layers, 3 KV heads, head size 64, 2048 tokens) the keys of
+# layers 0-9 in INT6 and 10-19 in INT5 with a window of 11 are 3.50x allocated with two thirds of the value units
+# in INT3: the values outside the INT5 keys' layers (those go to INT3 last; INT3 values there changed what the
+# model retrieves from 4k tokens back)
+AUTO_INT3_VALUES = 0.6667
 
 
 class KVCache(_Strict):
@@ -57,8 +58,8 @@ class KVCache(_Strict):
     recent_window: Union[Annotated[int, Field(ge=0, le=4096)], Literal["auto"]] = Field(
         "auto", description="a query reads the K/V of the newest positions up to its own (this many, itself "
                             "included) from an FP16 copy; auto: for int4-fp8-outlier on the native target with "
-                            "the torch executor 16 (10 with INT5 keys but not INT6 ones: what 3.5x leaves on SmolLM2), "
-                            "else 0")
+                            "the torch executor 10 with INT5 keys (11 with INT6 keys as well, 16 without INT5 keys: "
+                            "what 3.5x leaves on SmolLM2), else 0")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
     rotation: Literal["auto", "hadamard", "none"] = Field(
@@ -75,12 +76,14 @@ class KVCache(_Strict):
                             "to exact recent keys, changed what the model retrieves from 4k tokens back), else none")
 
     int6_keys: Literal["auto", "early", "none"] = Field(
-        "auto", description="keys stored in INT6: 'early' = those of the first third of the layers. auto: early "
-                            "where int5_keys resolves to middle (on SmolLM2 INT4 or INT5 noise in those keys changed "
-                            "what the model retrieves from 2k tokens back), else none")
+        "auto", description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
+                            "to pay for them: read by the torch executor only). auto: none (on SmolLM2 the plans with "
+                            "them did not keep passkey retrieval nearer FP16 KV's at 2k and 4k together than the "
+                            "INT5 keys alone)")
     int3_values: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
-        "auto", description="share of the value units stored in INT3, the least sensitive first; auto: "
-                            f"{AUTO_INT3_VALUES} with INT6 keys (what pays for them at 3.5x on SmolLM2), else 0")
+        "auto", description="share of the value units stored in INT3, the least sensitive first, those of the "
+                            f"INT5 keys' layers last; auto: {AUTO_INT3_VALUES} with INT6 keys (the values outside "
+                            "the INT5 keys' layers: what pays for them at 3.5x on SmolLM2), else 0")
 
     @model_validator(mode="after")
     def _bands_with_int4(self):
@@ -176,13 +179,13 @@ class EngineConfig(_Strict):
         if kv.int5_keys == "auto":  # measured with the exact window: INT5 middle keys keep 4k retrieval as FP16's
             kv.int5_keys = "middle" if auto and kv.recent_window != 0 else "none"
         int5 = kv.int5_keys == "middle"
-        if kv.int6_keys == "auto":  # measured with them: INT6 early keys keep 2k retrieval as FP16's
-            kv.int6_keys = "early" if int5 and auto else "none"
+        if kv.int6_keys == "auto":  # opt-in: measured on SmolLM2, not better than INT5 keys alone (docs/KV_FORMAT.md §6)
+            kv.int6_keys = "none"
         int6 = kv.int6_keys == "early"
         if kv.int3_values == "auto":  # what pays for the INT6 keys
             kv.int3_values = AUTO_INT3_VALUES if int6 else 0.0
         if kv.recent_window == "auto":  # what keeps the plan at >= 3.5x on SmolLM2 (2048 tokens)
-            kv.recent_window = (16 if int6 else 10 if int5 else 16) if auto else 0
+            kv.recent_window = (11 if int6 else 10 if int5 else 16) if auto else 0
         exact = bool(kv.sink_tokens or kv.recent_window)
         if kv.outlier_fraction == "auto":  # INT5 keys take the bytes FP8 units would (and beat them on SmolLM2)
             kv.outlier_fraction = 0.0 if int5 else 0.01 if exact else 0.08
