@@ -40,10 +40,10 @@ class Limits(_Strict):
         return self
 
 
-# int3_values: auto with INT6 keys (int6_keys: early, opt-in): on SmolLM2 (30 layers, 3 KV heads, head size 64, 2048 tokens) the keys of
-# layers 0-9 in INT6 and 10-19 in INT5 with a window of 11 are 3.50x allocated with two thirds of the value units
-# in INT3: the values outside the INT5 keys' layers (those go to INT3 last; INT3 values there changed what the
-# model retrieves from 4k tokens back)
+# int3_values: auto with INT6 keys (int6_keys: early, opt-in): on SmolLM2 (30 layers, 3 KV heads, head size 64,
+# 2048 tokens) the keys of layers 0-9 in INT6 and 10-19 in INT5 with a window of 11 are 3.50x allocated with two
+# thirds of the value units in INT3: the values outside the INT5 keys' layers (those go to INT3 last; INT3 values
+# there changed what the model retrieves from 4k tokens back)
 AUTO_INT3_VALUES = 0.6667
 
 
