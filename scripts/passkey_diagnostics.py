@@ -81,6 +81,10 @@ values-bands starts from the twentieth session's default (`engines/smollm2/3`: t
 values are why: the values of layers 10-19 back in INT4 and every other value in INT3 (the longest window that keeps
 3.5x), and, as a diagnostic, its values under the INT5-keys default's keys (layers 0-9 INT4).
 
+late-keys starts from the INT5-keys default (`engines/smollm2/2`) and pays for the first third's keys in INT6 with
+the last third's keys in INT3 (4k and 2k retrieval did not move with those keys in INT8) and a third of the values
+in INT3 (those of layers 0-9 or 20-29), with the longest window that keeps 3.5x.
+
 engines: rows are whole plans as `bpcompile build` calibrated them: the --engine version's and those of the
 versions named by --compare (e.g. recipes/smollm2.yaml with another `recent_window` or `int3_values`), so that a
 screen measures exactly what a recipe would ship.
@@ -380,6 +384,8 @@ FROM_INT5 = ("int5-2k", "two-bands")
 ENGINES = ("engines",)
 # the experiment that starts from the default with INT6 keys and INT3 values
 FROM_INT3 = ("values-bands",)
+# the experiment that starts from the INT5-keys default and pays for INT6 keys in the first third with 3-bit units
+FROM_INT5_INT3 = ("late-keys",)
 
 
 def depth_range(text: str) -> tuple[float, float]:
@@ -396,7 +402,7 @@ def depth_range(text: str) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates") + FROM_DEFAULT
-                    + FROM_INT5 + ENGINES + FROM_INT3)
+                    + FROM_INT5 + ENGINES + FROM_INT3 + FROM_INT5_INT3)
     ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
                     "the default engine)")
     ap.add_argument("--length", default="4096", help="prompt length in tokens, or several, comma-separated")
@@ -425,7 +431,7 @@ def main() -> int:
     has_int5 = any(x == "int5" for layer in plan.precision for x in layer["k"])
     if a.experiment in FROM_INT3 and not any(x == "int3" for layer in plan.precision for x in layer["v"]):
         ap.error(f"{d}: {a.experiment} starts from the default plan with INT3 values (engines/smollm2/3)")
-    if a.experiment not in ENGINES + FROM_INT3 and (a.experiment in FROM_INT5) != has_int5:
+    if a.experiment not in ENGINES + FROM_INT3 and (a.experiment in FROM_INT5 + FROM_INT5_INT3) != has_int5:
         ap.error(f"{d}: {a.experiment} " + ("starts from the default plan with INT5 keys (engines/smollm2/2)"
                  if a.experiment in FROM_INT5 else "starts from a plan without INT5 keys"))
     if a.experiment not in FROM_DEFAULT + FROM_INT5 + ENGINES + FROM_INT3 and has_int8:
@@ -638,6 +644,22 @@ def main() -> int:
         for lay in p.precision[:10]:
             lay["k"] = ["int4" if x == "int6" else x for x in lay["k"]]
         plans["diagnostic: keys of layers 0-9 INT4, values as the plan"] = p
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
+    elif a.experiment == "late-keys":  # INT6 keys in the first third paid for by the last third's keys in INT3
+        def bands(p, precisions):
+            p = deepcopy(p)
+            for (lo, hi), kv, prec in precisions:
+                for layer in range(lo, hi):
+                    p.precision[layer][kv] = [prec] * p.num_kv_heads
+            return longest_window(p, v.cfg)
+        plans = {"keys of layers 0-9 INT6 and 20-29 INT3, values of layers 0-9 INT3":
+                 bands(plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((0, 10), "v", "int3")]),
+                 "keys of layers 0-9 INT6 and 20-29 INT3, values of layers 20-29 INT3":
+                 bands(plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((20, 30), "v", "int3")])}
         for name, p in plans.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
         show(v, d / "tokenizer", plans, {})
