@@ -439,6 +439,14 @@ def main() -> int:
     show = fidelity if a.fidelity else (lambda *args: None)
     greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
     rows = {"fp16": greedy(E._as_plans(v, {"f": "fp16"})["f"])}
+
+    def screen(plans: dict) -> None:
+        """Each plan's allocation and window, its held-out rows (unless --no-fidelity), then a passkey row."""
+        for name, p in plans.items():
+            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
+        show(v, d / "tokenizer", plans, {})
+        for name, p in plans.items():
+            rows[name] = greedy(p)
     if a.experiment == "sensitivity":
         for name, p in {"int8": "int8", "plan": plan,
                         "plan, keys only": keep_only(plan, lambda layer, kv: kv == "k"),
@@ -592,11 +600,7 @@ def main() -> int:
             for layer in layers:
                 p.precision[layer][kv] = [prec] * p.num_kv_heads
             plans[name] = p
-        for name, p in plans.items():
-            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
-        show(v, d / "tokenizer", plans, {})
-        for name, p in plans.items():
-            rows[name] = greedy(p)
+        screen(plans)
     elif a.experiment == "two-bands":  # both bands of finer keys (2k: layers 0-9, 4k: 10-19), paid for by INT3 values
         plans = {"plan": plan}
         for name, bands in {"keys of layers 0-19 INT6, values INT3": ((range(0, 20), "int6"),),
@@ -620,18 +624,10 @@ def main() -> int:
         p = deepcopy(plan)  # diagnostic above 3.5x: is INT6 fine enough for the first third's keys?
         p.precision[:10] = [dict(layer, k=["int6"] * p.num_kv_heads) for layer in p.precision[:10]]
         plans["keys of layers 0-9 INT6"] = p
-        for name, p in plans.items():
-            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
-        show(v, d / "tokenizer", plans, {})
-        for name, p in plans.items():
-            rows[name] = greedy(p)
+        screen(plans)
     elif a.experiment == "engines":  # the engine's plan and --compare's, each as its build calibrated it
         plans = {str(d): plan} | {x: KVPlan.load(Path(x) / "kv_plan") for x in a.compare.split(",") if x}
-        for name, p in plans.items():
-            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
-        show(v, d / "tokenizer", plans, {})
-        for name, p in plans.items():
-            rows[name] = greedy(p)
+        screen(plans)
     elif a.experiment == "values-bands":  # does 4k over-retrieve because of the INT3 values, and which layers'?
         def values(p, int3_layers):
             p = deepcopy(p)
@@ -644,11 +640,7 @@ def main() -> int:
         for lay in p.precision[:10]:
             lay["k"] = ["int4" if x == "int6" else x for x in lay["k"]]
         plans["diagnostic: keys of layers 0-9 INT4, values as the plan"] = p
-        for name, p in plans.items():
-            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
-        show(v, d / "tokenizer", plans, {})
-        for name, p in plans.items():
-            rows[name] = greedy(p)
+        screen(plans)
     elif a.experiment == "late-keys":  # INT6 keys in the first third paid for by the last third's keys in INT3
         def bands(p, precisions):
             p = deepcopy(p)
@@ -660,11 +652,7 @@ def main() -> int:
                  bands(plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((0, 10), "v", "int3")]),
                  "keys of layers 0-9 INT6 and 20-29 INT3, values of layers 20-29 INT3":
                  bands(plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((20, 30), "v", "int3")])}
-        for name, p in plans.items():
-            print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, window {p.recent_window}", flush=True)
-        show(v, d / "tokenizer", plans, {})
-        for name, p in plans.items():
-            rows[name] = greedy(p)
+        screen(plans)
     elif a.experiment == "heads":
         t0 = time.perf_counter()
         sc = retrieval_scores(v, passkey_probes(tok, 2048, 16, 7))
