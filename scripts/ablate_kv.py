@@ -56,7 +56,7 @@ def forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, sink: int, part
 
     def attend(layer, q, k, v):
         kk, vv = (x.reshape(B * T, c.num_kv_heads, -1) for x in (k, v))
-        store.write(layer, slots, kk, vv)
+        store.write(layer, slots, kk, vv, torch.arange(T).repeat(B))
         kh, vh = (x.float().clone() for x in store.read(layer, slots))
         kh[keep], vh[keep] = kk[keep].half().float(), vv[keep].half().float()
         if "k" not in parts:

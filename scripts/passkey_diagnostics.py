@@ -165,7 +165,7 @@ class NoiseDecoder:
         pr = torch.arange(self.n)
         self.kv, self.rd = [], []
         for layer, (k, v) in enumerate(prefix_kv):
-            self.store.write(layer, pr, k, v)
+            self.store.write(layer, pr, k, v, pr)
             self.kv.append([k, v])
             self.rd.append(list(self._read(layer, pr, k)))
 
@@ -183,7 +183,7 @@ class NoiseDecoder:
         ex = E.exact_reads(new, slots, self.plan.sink_tokens, self.plan.recent_window) & visible  # [T, N]
 
         def attend(layer, q, k, v):
-            self.store.write(layer, new, k[0], v[0])
+            self.store.write(layer, new, k[0], v[0], new)
             kv, rd = self.kv[layer], self.rd[layer]
             kv[0], kv[1] = torch.cat([kv[0], k[0]]), torch.cat([kv[1], v[0]])
             kh, vh = self._read(layer, new, k[0])

@@ -332,3 +332,134 @@ def test_exact_entries_are_saved_validated_and_counted(tmp_path):
             replace(mixed_plan(), recent_window=bad)
     with pytest.raises(UserError, match="exact already"):
         replace(KVPlan.uniform("fp16", 1, 1, 64), sink_tokens=1)
+
+
+# ------------------------------------------------------------------------------------------- KLT keys
+
+def klt_plan(L=2, KV=2, D=16, seed=0, scale=1.0):
+    """A plan whose keys are KLT4 units with a random well-conditioned basis (values INT4)."""
+    from bpcompile.build.calibrate import water_filling_bits
+
+    g = torch.Generator().manual_seed(seed)
+    t = {"mean": torch.randn(L, KV, D, generator=g) * 0.1, "bits": torch.zeros(L, KV, D, dtype=torch.int8),
+         "weight": torch.rand(L, KV, D, generator=g) + 0.5, "step": torch.zeros(L, KV, D), "level": torch.zeros(L, KV, D),
+         "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)),
+         "basis": torch.zeros(L, KV, D, D, dtype=torch.float16)}
+    lam = torch.logspace(2, -3, D) * scale ** 2  # coefficient variances: a few large, many small (as keys)
+    for layer in range(L):
+        for h in range(KV):
+            Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
+            t["basis"][layer, h] = Q.to(torch.float16)
+            b = water_filling_bits(lam, 4 * D)
+            t["bits"][layer, h] = b.to(torch.int8)
+            t["step"][layer, h] = lam.sqrt().float() / 2.0 ** b.float()
+            t["level"][layer, h] = torch.where(b == 1, lam.sqrt().float() * 0.8, 0.0)
+    prec = [{"k": ["klt4"] * KV, "v": ["int4"] * KV} for _ in range(L)]
+    return KVPlan("int4-fp8-outlier", L, KV, D, D, prec, rotation="hadamard", klt=t), lam
+
+
+def test_klt_codec_packs_coefficients_bit_by_bit_and_round_trips():
+    """encode_klt's payload is each coefficient's code, least significant bit first, coefficient after
+    coefficient; decode_klt of it gives what encode_klt says a read decodes; rounding is within half a step."""
+    from bpcompile.runtime.kvcache import decode_klt, encode_klt, klt_dither, klt_pack_index
+
+    bits = torch.tensor([[8, 6, 4, 4, 3, 3, 2, 1, 1, 0]])  # 32 bits: 4 bytes
+    step = torch.tensor([[0.01, 0.05, 0.2, 0.2, 0.3, 0.3, 0.5, 0.0, 0.0, 0.0]])
+    level = torch.tensor([[0.0] * 7 + [0.7, 0.4, 0.0]])
+    coef, shift = klt_pack_index(bits)
+    z = torch.tensor([[[0.9, -1.3, 0.55, -0.2, 0.6, -0.61, 0.4, 2.0, -0.3, 5.0]]])
+    u = klt_dither(torch.tensor([17]), torch.tensor([3]), 10)
+    payload, s, dec = encode_klt(z, bits, step, level, coef, shift, u, decoded=True)
+    assert payload.shape == (1, 1, 4) and s.dtype == torch.float16
+    # the codes, recomputed by hand from the format's rule, packed by hand
+    t = s.float()[0, 0, 0] * step[0]
+    expect = []
+    for i, b in enumerate(bits[0].tolist()):
+        if b >= 2:
+            qmax = 2 ** (b - 1) - 1
+            expect.append(int(max(-qmax, min(qmax, torch.round(z[0, 0, i] / t[i] + u[0, 0, i]).item()))) + qmax + 1)
+        elif b == 1:
+            expect.append(int(z[0, 0, i] >= 0))
+        else:
+            expect.append(0)
+    stream = [(n >> j) & 1 for n, b in zip(expect, bits[0].tolist()) for j in range(b)]
+    assert payload[0, 0].tolist() == [sum(bit << j for j, bit in enumerate(stream[k:k + 8])) for k in range(0, 32, 8)]
+    assert torch.equal(decode_klt(payload, s, bits, step, level, coef, shift, u), dec)
+    wide = bits[0] >= 2
+    assert ((dec - z)[0, 0, wide].abs() <= t[wide] / 2 + 1e-6).all()  # no coefficient clipped here
+    assert dec[0, 0, 7] == 0.7 and dec[0, 0, 8] == -0.4 and dec[0, 0, 9] == 0  # 1-bit signs, a 0-bit zero
+
+
+def test_klt_dither_is_a_fixed_function_of_position_unit_and_coefficient():
+    from bpcompile.runtime.kvcache import klt_dither
+
+    a = klt_dither(torch.arange(4096), torch.tensor([0, 1, 7]), 64)
+    assert a.shape == (4096, 3, 64) and a.abs().max() <= 0.5
+    assert torch.equal(a, klt_dither(torch.arange(4096), torch.tensor([0, 1, 7]), 64))
+    assert abs(a.mean()) < 0.01 and abs(a.var() - 1 / 12) < 0.002  # uniform on (-0.5, 0.5)
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[:, 0], a[:, 1])  # varies with position and unit
+
+
+def test_klt_store_quantizes_keys_before_rope_and_reapplies_it():
+    """The same key before RoPE written at two positions reads back as that key rotated to each position, within
+    the codec's error; a write without positions is refused; move() carries the positions with the bytes."""
+    from bpcompile.runtime.kvcache import rope_rotate
+
+    plan, lam = klt_plan()
+    L, KV, D = 2, 2, 16
+    inv = plan.klt["inv_freq"]
+    store = QuantKVStore(plan, num_pages=8, page_size=4)
+    g = torch.Generator().manual_seed(1)
+    basis = plan.klt["basis"].float()
+    for layer in range(L):  # keys with those coefficient variances: z = ((pre - mean) * weight) @ basis
+        coeffs = torch.randn(3, KV, D, generator=g) * lam.sqrt().float()
+        pre = torch.einsum("nhe,hed->nhd", coeffs, torch.linalg.inv(basis[layer])) / plan.klt["weight"][layer] \
+            + plan.klt["mean"][layer]
+        pos = torch.tensor([5, 900, 3000])
+        k = rope_rotate(pre, pos, inv, 1.0)
+        v = torch.randn(3, KV, D, generator=g)
+        with pytest.raises(ValueError, match="positions"):
+            store.write(layer, torch.tensor([0, 1, 2]), k, v)
+        store.write(layer, torch.tensor([0, 1, 2]), k, v, pos)
+        kr, vr = store.read(layer, torch.tensor([0, 1, 2]))
+        # a skewed spectrum in 4 bits an element: well under the error of INT4 on the rotated keys (same bytes)
+        int4 = fake_quantize(k, "int4", D, rotate=True)
+        assert (kr - k).norm() < 0.6 * (int4 - k).norm()
+        # the same key before RoPE at another position: read back rotated there
+        store.write(layer, torch.tensor([7]), rope_rotate(pre[:1], torch.tensor([77]), inv, 1.0), v[:1], torch.tensor([77]))
+        k7, _ = store.read(layer, torch.tensor([7]))
+        assert (rope_rotate(k7, torch.tensor([77]), inv, -1.0) - pre[:1]).norm() < 0.15 * pre[:1].norm()
+    # move: the destination reads what an in-order write there reads (bytes and positions)
+    other = QuantKVStore(plan, num_pages=8, page_size=4)
+    k = torch.randn(2, KV, D, generator=g)
+    for s_ in (store, other):
+        for layer in range(L):
+            (s_.write(layer, torch.tensor([20, 21]), k, k, torch.tensor([40, 41])) if s_ is store
+             else s_.write(layer, torch.tensor([12, 13]), k, k, torch.tensor([40, 41])))
+    store.move(torch.tensor([20, 21]), torch.tensor([12, 13]))
+    for layer in range(L):
+        for x, y in zip(store.read(layer, torch.tensor([12, 13])), other.read(layer, torch.tensor([12, 13]))):
+            assert torch.equal(x, y)
+
+
+def test_klt_plans_save_load_validate_and_count_their_tables(tmp_path):
+    from dataclasses import replace
+
+    plan, _ = klt_plan()
+    plan.save(tmp_path / "p")
+    back = KVPlan.load(tmp_path / "p")
+    assert back.has_klt and not back.kernel_readable
+    assert all(torch.equal(back.klt[n].float(), plan.klt[n].float()) for n in plan.klt)
+    assert back.klt["basis"].dtype == torch.float16 and back.klt["bits"].dtype == torch.int8
+    bad = {n: t.clone() for n, t in plan.klt.items()}
+    bad["bits"][0, 0, 0] += 1  # 65 bits: not a KLT4 unit
+    with pytest.raises(UserError, match="klt_bits"):
+        replace(plan, klt=bad)
+    with pytest.raises(UserError, match="klt_basis"):
+        replace(plan, klt={n: t for n, t in plan.klt.items() if n != "basis"})
+    with pytest.raises(UserError, match="key units only"):
+        replace(plan, precision=[{"k": p["k"], "v": ["klt4", "int4"]} for p in plan.precision])
+    # its tables are bytes of record: a D x D float16 matrix per KLT unit at least
+    with_tables = QuantKVStore(plan, 8, 4).nbytes()
+    plain = QuantKVStore(replace(plan, precision=[{"k": ["int4"] * 2, "v": ["int4"] * 2}] * 2, klt=None), 8, 4).nbytes()
+    assert with_tables - plain >= 4 * 16 * 16 * 2

@@ -89,6 +89,11 @@ def test_exact_entries_add_their_copies_per_sequence():
     # 16 more payload bytes each than INT4 (80 against 64 at head 128), and no INT8 retrieval units
     p3 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
                                                            "int3_values": 0}}), _spec(L70), _spec(L1B), DEVICES["h200"])
+    # KLT keys (opt-in) take the bytes INT4 keys do per token: no INT5, no INT8 units
+    pk = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
+                                                           "int3_values": 0, "key_transform": "klt"}}),
+              _spec(L70), _spec(L1B), DEVICES["h200"])
+    assert pk["kv_bytes_per_token"] == p1["kv_bytes_per_token"]
     assert p3["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 26 * 8 * 16 / 8
     # and INT6 keys (opt-in) with int3_values' auto: the keys of the first third (layers 0-26: 27 x 8 units) in
     # INT6, 32 more payload bytes each than INT4 (96 against 64), and round(0.6667 * 640) = 427 value units in INT3,

@@ -37,18 +37,24 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 @pytest.mark.parametrize("target,executor,fmt,extra,want", [
     # the default: a 10-position exact window, the keys of the middle third of the layers in INT5, nothing else
-    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "none", 0.0)),
+    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
+    # KLT keys (opt-in): the keys of the first two thirds of the layers as KLT4 units, a 7-position window
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt"}, (0, 7, 0.0, 0.0, "none", "none", 0.0, "klt")),
     # with INT6 keys (opt-in): the first third's keys in INT6, two thirds of the value units in INT3, window 11
-    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early"}, (0, 11, 0.0, 0.0, "middle", "early", 0.6667)),
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early"},
+     (0, 11, 0.0, 0.0, "middle", "early", 0.6667, "none")),
     # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
-    ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none", "none", 0.0)),
-    # without a window: no INT5 or INT6 keys either (they are what keeps retrieval next to exact recent keys)
-    ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),
-    # the graphs do not read exact entries (nor INT6 or INT3 units)
-    ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),
-    ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),  # nor does the plugin
-    ("native", "torch", "int8", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),  # auto: for the INT4 format only
-    ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0)),
+    ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none", "none", 0.0, "none")),
+    # without a window: no KLT, INT5 or INT6 keys either (measured only next to exact recent keys)
+    ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
+    # KLT keys asked for with the INT5 band: the band's keys become KLT5 units, window 10
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int5_keys": "middle"},
+     (0, 10, 0.0, 0.0, "middle", "none", 0.0, "klt")),
+    # the graphs do not read exact entries (nor INT6, INT3 or KLT units)
+    ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
+    ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),  # nor the plugin
+    ("native", "torch", "int8", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),  # auto: for the INT4 format only
+    ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
 ])
 def test_kv_cache_autos_resolve_per_target(target, executor, fmt, extra, want):
     from bpcompile.core.engine import EngineConfig
@@ -57,7 +63,7 @@ def test_kv_cache_autos_resolve_per_target(target, executor, fmt, extra, want):
                                      "kv_cache": {"format": fmt, **extra}})
     kv = e.kv_cache
     assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction, kv.int5_keys,
-            kv.int6_keys, kv.int3_values) == want
+            kv.int6_keys, kv.int3_values, kv.key_transform) == want
     assert EngineConfig.model_validate_json(e.model_dump_json()).kv_cache == kv  # engine.json keeps them resolved
 
 
@@ -79,6 +85,9 @@ def test_shipped_recipes_parse():
      "kv_cache", "torch executor only"),
     ("kv_cache: {int6_keys: early, recent_window: 0}\nruntime: {executor: onnxruntime}\n", "kv_cache.int6_keys",
      "kv_cache", "torch executor only"),
+    ("kv_cache: {key_transform: klt, recent_window: 0}\nruntime: {executor: onnxruntime}\n", "kv_cache.key_transform",
+     "kv_cache", "torch executor only"),
+    ("kv_cache: {format: fp8, key_transform: klt}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
     ("kv_cache: {format: int8, int3_values: 0.5}\n", "kv_cache", "kv_cache", "int4-fp8-outlier"),
     ("kv_cache: {format: fp8, int5_keys: middle}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
 ])

@@ -330,13 +330,13 @@ def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
     with pytest.raises(UserError, match="onnxruntime executor"):
         Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
                   executor="onnxruntime", graphs="/nonexistent")
-    # nor INT6 or INT3 units: the same, without exact entries
+    # nor INT6, INT3 or KLT units: the same, without exact entries
     plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
     plan.precision[0] = {"k": ["int6"] * c.num_kv_heads, "v": ["int3"] * c.num_kv_heads}
     store = kv_store_factory(plan)(c, 4, 4, "cpu")
     assert kernels_for(store, torch.device("cpu")) is None
-    assert "do not read INT6 or INT3" in capsys.readouterr().err
-    with pytest.raises(UserError, match="INT6 or INT3"):
+    assert "do not read INT6, INT3 or KLT" in capsys.readouterr().err
+    with pytest.raises(UserError, match="INT6, INT3 or KLT"):
         Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
                   executor="onnxruntime", graphs="/nonexistent")
 

@@ -28,6 +28,8 @@ calibration text) are stored in INT8, chosen before the outlier units. Why: long
 with any 4-bit-sized key noise (the plan retrieved a passkey at 4k tokens far more often than FP16 KV did) and the
 departure came from a few such heads; FP8's noise moves it too, INT8's does not.
 `rotation: none` is the previous recipe (pair-tied absmax key scale, FP8 outliers).
+KLT keys (`key_transform: klt`, opt-in): the keys of the first two thirds of the layers are stored before RoPE as
+coefficients of a per-unit basis fit here (`fit_klt`), each coefficient with the bits its variance is worth.
 Format: docs/KV_FORMAT.md.
 """
 from __future__ import annotations
@@ -42,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from bpcompile.core.errors import UserError
-from bpcompile.runtime.kvcache import ROTATIONS, KVPlan, fake_quantize
-from bpcompile.runtime.model import Llama, causal_attend, rms_norm
+from bpcompile.runtime.kvcache import KLT_PRECISIONS, ROTATIONS, KVPlan, fake_quantize, rope_rotate
+from bpcompile.runtime.model import Llama, causal_attend, rms_norm, rope_inv_freq
 
 RETRIEVAL_PROBES, RETRIEVAL_PROBE_LENGTH = 4, 1024  # needle-in-a-haystack prompts for retrieval_scores
 RECIPE_FORMATS = {"int4-fp8-outlier", "fp8", "int8", "fp16", "int4-naive"}
@@ -72,6 +74,9 @@ class KVCalibConfig:
     int6_keys: str = "none"
     # share of the value units stored in INT3, the least sensitive (fisher_error) first
     int3_values: float = 0.0
+    # "klt": the INT4 / INT5 keys of the first two thirds of the layers (klt_key_layers) stored as KLT4 / KLT5
+    # units, coefficients of a calibrated basis before RoPE at the same bytes (fit_klt); "none"
+    key_transform: str = "none"
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "KVCalibConfig":
@@ -96,6 +101,11 @@ class KVCalibConfig:
             raise UserError(f"int6_keys must be early or none, got {cfg.int6_keys!r}", key="kv_cache.int6_keys")
         if cfg.int3_values == "auto":
             cfg.int3_values = 0.0
+        if cfg.key_transform == "auto":
+            cfg.key_transform = "none"
+        if cfg.key_transform not in ("klt", "none"):
+            raise UserError(f"key_transform must be klt or none, got {cfg.key_transform!r}",
+                            key="kv_cache.key_transform")
         if isinstance(cfg.int3_values, bool) or not isinstance(cfg.int3_values, (int, float)) \
                 or not 0.0 <= cfg.int3_values <= 1.0:
             raise UserError(f"int3_values must be a share in [0, 1], got {cfg.int3_values!r}",
@@ -441,10 +451,115 @@ def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len
             raise UserError("retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes) or a tokenizer",
                             key="kv_cache.retrieval_fraction")
         retrieval = retrieval_scores(verifier, probes)
-    return plan_from_measurement(measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
-                                 recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead,
-                                 retrieval=retrieval, retrieval_fraction=cfg.retrieval_fraction, int5_keys=cfg.int5_keys,
-                                 int6_keys=cfg.int6_keys, int3_values=cfg.int3_values)
+    plan, report = plan_from_measurement(
+        measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
+        recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead, retrieval=retrieval,
+        retrieval_fraction=cfg.retrieval_fraction, int5_keys=cfg.int5_keys, int6_keys=cfg.int6_keys,
+        int3_values=cfg.int3_values)
+    if cfg.key_transform == "klt":
+        plan, report = with_klt_keys(plan, report, verifier, samples, klt_key_layers(c.num_layers))
+    return plan, report
+
+
+def klt_key_layers(num_layers: int) -> range:
+    """The layers whose keys key_transform: klt stores as KLT units: the first two thirds, [0, round(2L/3)).
+    Why: on SmolLM2 passkey retrieval at 2k tokens needs the first third's keys fine and at 4k the middle third's
+    (INT5 there, INT8 in the first third brought each back), and the last third's barely move either; the basis is
+    a D x D float16 table per unit, which at one 2048-token sequence of a 64-wide head costs about an eighth of the
+    unit's cache, so it goes where it buys retrieval."""
+    return range(0, round(2 * num_layers / 3))
+
+
+KLT_SPAN = 4096  # relative distances (query position - key position) the logit-error metric averages over
+KLT_QUERY_SAMPLES = 8192  # (query, distance) pairs drawn per unit for that metric
+KLT_MAX_BITS = 8
+
+
+def water_filling_bits(variances: torch.Tensor, total: int, max_bits: int = KLT_MAX_BITS) -> torch.Tensor:
+    """Integer bits per coefficient summing to `total`: each bit in turn to the coefficient whose expected squared
+    error (variance * 4^-bits) is largest (ties: the lower index), at most max_bits each."""
+    b = torch.zeros(len(variances), dtype=torch.long)
+    lam = variances.double()
+    for _ in range(total):
+        err = torch.where(b < max_bits, lam * 4.0 ** (-b.double()), -1.0)
+        b[int(err.argmax())] += 1
+    return b
+
+
+def fit_klt(verifier: Llama, samples: list[list[int]], unit_bits: dict) -> dict:
+    """The KLT tables (KVPlan.klt) for the key units in unit_bits {(layer, head): payload bits per token}.
+
+    Per unit, on the calibration samples' keys before RoPE (y, mean m): the logit error of a key error e is (R q)·e
+    for a query q (before RoPE) rotated by the distance between them; averaged over the unit's queries and distances
+    uniform in [0, KLT_SPAN) (a fixed-seed sample) its metric E[(R q)(R q)^T] is nearly diagonal (the rotations
+    average out what couples channels), with diagonal w. So x = (y - m) * sqrt(w) has plain squared error as logit
+    error, and its principal axes V (an orthonormal matrix: decoding multiplies by its transpose) make the
+    coefficients z = x V uncorrelated. Bits per coefficient by water-filling on their variances lam;
+    a coefficient's step is sqrt(lam) / 2^bits (times the token's scale); a 1-bit one stores a sign and its mean
+    magnitude on the samples. The basis is stored in float16 (KVPlan.klt)."""
+    c = verifier.cfg
+    L, KV, D = c.num_layers, c.num_kv_heads, c.head_size
+    inv = rope_inv_freq(c).float()
+    t = {"mean": torch.zeros(L, KV, D), "weight": torch.ones(L, KV, D), "basis": torch.zeros(L, KV, D, D, dtype=torch.float16),
+         "bits": torch.zeros(L, KV, D, dtype=torch.int8),
+         "step": torch.zeros(L, KV, D), "level": torch.zeros(L, KV, D), "inv_freq": inv.clone()}
+    layers = {layer for layer, _ in unit_bits}
+    for layer, q, k, _ in capture_qkv(verifier, samples):
+        if layer not in layers:
+            continue
+        N, T, H = q.shape[:3]
+        pos = torch.arange(T).repeat(N)
+        kp = rope_rotate(k.reshape(N * T, KV, D), pos, inv, -1.0)
+        qp = rope_rotate(q.reshape(N * T, H, D), pos, inv, -1.0)
+        rep = H // KV
+        for h in range(KV):
+            if (layer, h) not in unit_bits:
+                continue
+            y = kp[:, h].double()
+            mean = y.mean(0)
+            qh = qp[:, h * rep:(h + 1) * rep].reshape(-1, D)
+            g = torch.Generator().manual_seed(layer * 7 + h)
+            idx = torch.randint(0, len(qh), (KLT_QUERY_SAMPLES,), generator=g)
+            dist = torch.randint(0, KLT_SPAN, (KLT_QUERY_SAMPLES,), generator=g)
+            w = rope_rotate(qh[idx], dist, inv, 1.0).double().pow(2).mean(0)
+            weight = w.clamp_min(1e-8 * float(w.max())).sqrt()
+            x = (y - mean) * weight
+            _, V = torch.linalg.eigh(x.T @ x / len(x))
+            t["basis"][layer, h] = V.flip(1).to(torch.float16)
+            Vq = t["basis"][layer, h].double()
+            z = x @ Vq
+            lam = z.pow(2).mean(0).clamp_min(1e-12)
+            bits = water_filling_bits(lam, unit_bits[layer, h])
+            t["mean"][layer, h], t["weight"][layer, h], t["bits"][layer, h] = mean.float(), weight.float(), bits.to(torch.int8)
+            t["step"][layer, h] = (lam.sqrt() / 2.0 ** bits.double()).float()
+            t["level"][layer, h] = torch.where(bits == 1, z.abs().mean(0), 0.0).float()
+    return t
+
+
+def with_klt_keys(plan: KVPlan, report: dict, verifier: Llama, samples: list[list[int]],
+                  layers: range) -> tuple[KVPlan, dict]:
+    """The plan with the INT4 / INT5 key units of `layers` stored as KLT4 / KLT5 units (same payload and scale
+    bytes: 4 or 5 bits an element and one fp16 scale per token), their tables fit on the samples; report and
+    calibration table updated."""
+    D = plan.head_size
+    to = {"int4": "klt4", "int5": "klt5"}
+    unit_bits = {(layer, h): KLT_PRECISIONS[to[x]] * D for layer, p in enumerate(plan.precision)
+                 for h, x in enumerate(p["k"]) if x in to and layer in layers}
+    if plan.effective_group_size != D:
+        raise UserError(f"key_transform: klt needs one scale per token (group_size >= head size {D})",
+                        key="kv_cache.group_size")
+    klt = fit_klt(verifier, samples, unit_bits)
+    prec = [{"k": [to[x] if (layer, h) in unit_bits else x for h, x in enumerate(p["k"])], "v": list(p["v"])}
+            for layer, p in enumerate(plan.precision)]
+    plan = replace(plan, precision=prec, klt=klt)
+    for lay in report["layers"]:
+        for u in lay["units"]:
+            if u["kind"] == "k" and (lay["layer"], u["head"]) in unit_bits:
+                u["precision"] = to[u["precision"]]
+    report = report | {"key_transform": "klt", "klt_units": len(unit_bits), "klt_layers": [layers.start, layers.stop],
+                       "bytes_per_token": plan.bytes_per_token()}
+    plan.calibration = {k: v for k, v in report.items() if k != "layers"} | {"layers": _compact(report["layers"])}
+    return plan, report
 
 
 def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, length: int) -> list[list[int]]:
@@ -491,20 +606,28 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
                                    "source": str(calibration_file) if calibration_file else cal.get("source")}
     plan.save(out_dir)
     fp8 = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"]
-           if u["precision"] not in ("int4", "int5", "int6", "int3", None) and not u.get("retrieval")]
+           if u["precision"] in ("fp8", "int8") and not u.get("retrieval")]
     ret = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"] if u.get("retrieval")]
     int5 = int5_key_layers(report.get("int5_keys", "none"), plan.num_layers)
     int6 = int6_key_layers(report.get("int6_keys", "none"), plan.num_layers)
     rss = peak_rss_bytes()
+    klt = report.get("klt_layers")
+    if plan.has_klt:  # the D x D tables are per engine, not per token: say what one sequence's allocation comes to
+        from bpcompile.runtime.paged_kv import allocated_compression
+
+        report["allocated_compression"] = round(allocated_compression(plan, verifier.cfg, seq_len, lookahead), 4)
     return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
                       f"{report.get('outlier_precision', 'fp8').upper()}{' ' + ' '.join(fp8) if fp8 else ''}"
                       f"{', rotated' if report.get('rotation') == 'hadamard' else ''}"
                       + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
                       + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 else "")
                       + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 else "")
+                      + (f", keys of layers {klt[0]}-{klt[1] - 1} KLT (before RoPE)" if klt else "")
                       + (f", {report['int3_units']} value units INT3" if report.get("int3_units") else "")
                       + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
                       + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")
+                      + (f" ({report['allocated_compression']:.2f}x with the KLT tables, one sequence)"
+                         if "allocated_compression" in report else "")
                       + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
             "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8,
             "retrieval_units": ret, "peak_rss_bytes": rss}

@@ -220,6 +220,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         problem(("kv_cache", key), "INT6 keys and INT3 values are read by the native target's torch executor only "
                 "(not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); set int6_keys: none and "
                 "int3_values: 0, or leave them auto")
+    if kvc.key_transform == "klt" and not recipe.exact_entries_readable:
+        problem(("kv_cache", "key_transform"), "KLT keys (stored before RoPE in a calibrated basis) are read by the "
+                "native target's torch executor only (not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); "
+                "set key_transform: none, or leave it auto")
     if recipe.target == "tensorrt-llm":  # what TensorRT-LLM 1.2's executor can hold, refused before any work
         kv = recipe.kv_cache.format
         if kv == "int4-fp8-outlier":

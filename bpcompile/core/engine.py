@@ -85,10 +85,16 @@ class KVCache(_Strict):
                             f"INT5 keys' layers last; auto: {AUTO_INT3_VALUES} with INT6 keys (the values outside "
                             "the INT5 keys' layers: what pays for them at 3.5x on SmolLM2), else 0")
 
+    key_transform: Literal["auto", "klt", "none"] = Field(
+        "auto", description="klt: the INT4 / INT5 keys of the first two thirds of the layers stored as coefficients "
+                            "of a calibrated basis before RoPE, bits per coefficient by their variance, at the same "
+                            "bytes per token plus a D x D table per unit (read by the torch executor only). auto: none")
+
     @model_validator(mode="after")
     def _bands_with_int4(self):
         for name, on in (("int5_keys", self.int5_keys == "middle"), ("int6_keys", self.int6_keys == "early"),
-                         ("int3_values", self.int3_values not in ("auto", 0, 0.0))):
+                         ("int3_values", self.int3_values not in ("auto", 0, 0.0)),
+                         ("key_transform", self.key_transform == "klt")):
             if on and self.format != "int4-fp8-outlier":
                 raise ValueError(f"{name} needs format int4-fp8-outlier, not {self.format}")
         return self
@@ -176,8 +182,10 @@ class EngineConfig(_Strict):
         auto = exact_ok and kv.format == "int4-fp8-outlier"
         if kv.sink_tokens == "auto":  # off: on SmolLM2 an exact sink cost passkey retrieval at 2k tokens
             kv.sink_tokens = 0
+        if kv.key_transform == "auto":  # opt-in: at 3.5x its tables cost the window what its keys gain (KV_FORMAT §6)
+            kv.key_transform = "none"
         if kv.int5_keys == "auto":  # measured with the exact window: INT5 middle keys keep 4k retrieval as FP16's
-            kv.int5_keys = "middle" if auto and kv.recent_window != 0 else "none"
+            kv.int5_keys = "middle" if auto and kv.recent_window != 0 and kv.key_transform != "klt" else "none"
         int5 = kv.int5_keys == "middle"
         if kv.int6_keys == "auto":  # opt-in: measured on SmolLM2, not better than INT5 keys alone (docs/KV_FORMAT.md §6)
             kv.int6_keys = "none"
@@ -185,12 +193,13 @@ class EngineConfig(_Strict):
         if kv.int3_values == "auto":  # what pays for the INT6 keys
             kv.int3_values = AUTO_INT3_VALUES if int6 else 0.0
         if kv.recent_window == "auto":  # what keeps the plan at >= 3.5x on SmolLM2 (2048 tokens)
-            kv.recent_window = (11 if int6 else 10 if int5 else 16) if auto else 0
+            kv.recent_window = (11 if int6 else 10 if int5 else 7 if kv.key_transform == "klt" else 16) if auto else 0
         exact = bool(kv.sink_tokens or kv.recent_window)
+        klt = kv.key_transform == "klt"  # its tables take what FP8 or INT8 units would (as INT5 keys' bytes do)
         if kv.outlier_fraction == "auto":  # INT5 keys take the bytes FP8 units would (and beat them on SmolLM2)
-            kv.outlier_fraction = 0.0 if int5 else 0.01 if exact else 0.08
+            kv.outlier_fraction = 0.0 if int5 or klt else 0.01 if exact else 0.08
         if kv.retrieval_fraction == "auto":  # measured with the exact window, where the byte budget has room
-            kv.retrieval_fraction = 0.015 if exact and kv.format == "int4-fp8-outlier" and not int5 else 0.0
+            kv.retrieval_fraction = 0.015 if exact and kv.format == "int4-fp8-outlier" and not (int5 or klt) else 0.0
         return self
 
     @classmethod

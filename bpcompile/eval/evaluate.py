@@ -29,25 +29,11 @@ from bpcompile.core.errors import UserError
 from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement
 from bpcompile.runtime.kvcache import FloatKVStore, KVPlan, make_kv_store
 from bpcompile.runtime.model import Llama, causal_attend
-from bpcompile.runtime.paged_kv import RecentKV, cache_pages, dense_attention, exact_reads
+from bpcompile.runtime.paged_kv import RecentKV, allocated_compression, cache_pages, dense_attention, exact_reads  # noqa: F401
 
 PAGE = 16
 STANDARD_FRACTIONS = (0.0, 0.04, 0.08, 0.16)
 UNROTATED = "unrotated int4+fp8 8%"  # the plan without the Hadamard rotation (rotation: none)
-
-
-def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahead: int = 6,
-                          page_size: int = PAGE) -> float:
-    """FP16 cache bytes / this plan's, both as the runtime allocates them for one sequence of seq_len tokens with
-    lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact copies)."""
-    c = model_cfg
-    pages = cache_pages(1, seq_len, lookahead, page_size)
-    fp16 = FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, pages, page_size, dtype=torch.float16)
-    store = make_kv_store(plan, c, pages, page_size)
-    ours = store.nbytes()
-    if plan.has_exact:
-        ours += RecentKV(store, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
-    return fp16.nbytes() / ours
 
 
 def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_err: Optional[list] = None):
@@ -63,7 +49,8 @@ def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_er
     t = torch.arange(T, device=tokens.device)
 
     def attend(layer, q, k, v):
-        store.write(layer, slots, k.reshape(B * T, c.num_kv_heads, -1), v.reshape(B * T, c.num_kv_heads, -1))
+        store.write(layer, slots, k.reshape(B * T, c.num_kv_heads, -1), v.reshape(B * T, c.num_kv_heads, -1),
+                    t.repeat(B))
         kh, vh = (x.reshape(k.shape).to(q.dtype) for x in store.read(layer, slots))
         if plan.has_exact:
             o = attend_exact(q, kh, vh, k, v, plan, t, t, t[None, :] <= t[:, None])
@@ -125,6 +112,7 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
                      "int5_units": sum(x == "int5" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "int6_units": sum(x == "int6" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "int3_units": sum(x == "int3" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                     "klt_units": sum(x.startswith("klt") for p in plan.precision for x in p["k"]),
                      "compression_vs_fp16": round(allocated_compression(plan, c, seq_len, lookahead), 4),
                      "ppl": math.exp(nll / n), "top1_agreement": agree / seqs.numel(),
                      "kl_vs_fp16": kl / seqs.numel(),
@@ -142,12 +130,12 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
 
 def markdown_table(report: dict) -> str:
     nl = len(report["rows"][0]["attn_rel_error"]) if report["rows"] else 0
-    head = ("| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 units | compression (allocated) | held-out ppl | Δppl | top-1 agreement | "
+    head = ("| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 / KLT units | compression (allocated) | held-out ppl | Δppl | top-1 agreement | "
             "KL vs FP16 KV (nats/token) | " + " | ".join(f"attn err L{i}" for i in range(nl)) + " |")
     lines = [head, "|" + "---|" * (7 + nl)]
     for r in report["rows"]:
         d = "" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
-        units = " / ".join(str(r.get(f"{x}_units", 0)) for x in ("fp8", "int8", "int5", "int6", "int3"))
+        units = " / ".join(str(r.get(f"{x}_units", 0)) for x in ("fp8", "int8", "int5", "int6", "int3", "klt"))
         lines.append(f"| {r['name']} | {units} | "
                      f"{r['compression_vs_fp16']:.2f}x | {r['ppl']:.4f} | {d} | "
                      f"{100 * r['top1_agreement']:.2f}% | {r['kl_vs_fp16']:.5f} | " + " | ".join(f"{e:.4f}" for e in r["attn_rel_error"]) + " |")
@@ -275,7 +263,7 @@ class PlanDecoder:
         prompt = torch.arange(self.n, device=self.dev)
         self.read = []  # per layer: [k, v] [N, KV, D] as read back from the store, in the model's dtype
         for layer, (k, v) in enumerate(prefix_kv):
-            self.store.write(layer, prompt, k, v)
+            self.store.write(layer, prompt, k, v, prompt)
             self.read.append([x.to(verifier.dtype) for x in self.store.read(layer, prompt)])
         self.exact = [list(kv) for kv in prefix_kv] if plan.has_exact else None
         self.capacity = self.n + max_new
@@ -290,7 +278,7 @@ class PlanDecoder:
         plan = self.plan
 
         def attend(layer, q, k, v):
-            self.store.write(layer, new, k[0], v[0])
+            self.store.write(layer, new, k[0], v[0], new)
             rd = self.read[layer]
             rd[0], rd[1] = (torch.cat([old, x.to(q.dtype)]) for old, x in zip(rd, self.store.read(layer, new)))
             if self.exact is not None:

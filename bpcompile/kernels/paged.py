@@ -419,7 +419,7 @@ def _store_args(store):
     if not hasattr(store, "payload"):
         raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8/INT5 pools), got {type(store).__name__}")
     if not store.kernel_readable:
-        raise ValueError("the kernels read INT4/FP8/INT8/INT5 units; this plan has INT6 or INT3 units (PyTorch path)")
+        raise ValueError("the kernels read INT4/FP8/INT8/INT5 units; this plan has INT6, INT3 or KLT units (PyTorch path)")
     pools = store.kernel_pools()
     payloads = pools[0::2]
     return (*(t.view(torch.uint8) if t.dtype == torch.int8 else t for t in pools), *(t.shape[1] for t in payloads))

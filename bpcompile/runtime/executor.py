@@ -67,11 +67,12 @@ class Executor:
         kv, (B, T) = self.kv, tok.shape
         if kv.dense is not None:
             kv.dense.reserve(dense_width)
+        prompt_pos = torch.arange(T, device=tok.device).repeat(B)  # the model's prefill positions
 
         def attend(layer, q, k, v):
             # Right padding: real tokens never see the padding under a causal mask. The prompt attends to
             # its unquantized K/V (as TensorRT-LLM's context phase does); the cache keeps the stored form.
-            kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
+            kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, prompt_pos)
             return causal_attend(q, k, v)
 
         return self._model(tok, None, attend, feats, last_only=last_only)
@@ -173,12 +174,13 @@ class Executor:
                     dense_width: int, feats: Optional[torch.Tensor] = None,
                     logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
+        flat_pos = pos.reshape(-1)
         if attn[0] == "dense":
             _, at, rows, N, hidden, exact = attn
             kv.dense.reserve(dense_width)
 
             def attend(layer, q, k, v):
-                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at)
+                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
                 kd, vd = kv.dense.read(layer, rows, N)
                 if exact is None:
                     return dense_attention(q, kd, vd, hidden)
@@ -191,7 +193,8 @@ class Executor:
             batch = attn[1]
 
             def attend(layer, q, k, v):
-                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]))
+                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
+                         positions=flat_pos)
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
         return self._model(tok, pos, attend, feats, rows=logit_rows)

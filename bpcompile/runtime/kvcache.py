@@ -31,17 +31,20 @@ class KVStore:
     num_pages: int
     page_size: int
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize-and-append: k, v [N, num_kv_heads, head_size] go to flat slots [N] (int64)."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              positions: Optional[torch.Tensor] = None) -> None:
+        """Quantize-and-append: k, v [N, num_kv_heads, head_size] go to flat slots [N] (int64). positions [N]: the
+        tokens' RoPE positions (needed by a plan whose keys are stored before RoPE, KLT units; others ignore it)."""
         raise NotImplementedError
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V for slots [N] -> each [N, num_kv_heads, head_size] in the compute dtype."""
         raise NotImplementedError
 
-    def write_read(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write_read(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: Optional[torch.Tensor] = None):
         """write(), then what read() of those slots returns (a store may decode without reading back)."""
-        self.write(layer, slots, k, v)
+        self.write(layer, slots, k, v, positions)
         return self.read(layer, slots)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -71,7 +74,7 @@ class FloatKVStore(KVStore):
     def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slots // self.page_size, slots % self.page_size
 
-    def write(self, layer, slots, k, v):
+    def write(self, layer, slots, k, v, positions=None):
         p, o = self._split(slots)
         self.k[layer, p, :, o] = k.to(self.dtype)
         self.v[layer, p, :, o] = v.to(self.dtype)
@@ -314,6 +317,103 @@ def dequantize_int3(packed: torch.Tensor, scales: torch.Tensor, group_size: int)
     return _scaled(unpack_int3(packed).float() - 3.5, scales, group_size)
 
 
+# ---- KLT keys: transform coding before RoPE (docs/KV_FORMAT.md §3, "KLT units") ----------------------
+# A key unit's pre-RoPE keys, centred and mapped by a calibrated basis A (the Karhunen-Loeve transform of the keys
+# in the metric of the logit error the queries see), have a few high-variance coefficients and many small ones;
+# storing each coefficient with its own bit width (water-filling on the variances) and one fp16 scale per token
+# gives a far smaller logit error than the same bytes spread evenly over rotated channels. Before RoPE, because
+# after it the basis would depend on the position.
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """GPT-NeoX RoPE (pairs i, i + D/2) of x [N, ..., D] at positions [N], float32; sign -1 undoes it."""
+    ang = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None]  # [N, D/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
+    c, s = ang.cos().view(shape), (sign * ang.sin()).view(shape)
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h].float(), x[..., h:].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def klt_qmax(bits: torch.Tensor) -> torch.Tensor:
+    """Largest level of a coefficient of `bits` bits: 2^(b-1) - 1 for b >= 2 (symmetric, with a zero); 0 for the
+    1-bit coefficients (a sign and a static magnitude) and the 0-bit ones (not stored)."""
+    b = bits.to(torch.float32)
+    return torch.where(bits >= 2, 2.0 ** (b - 1) - 1, torch.zeros_like(b))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def klt_dither(positions: torch.Tensor, units: torch.Tensor, D: int) -> torch.Tensor:
+    """The subtractive dither of KLT coefficients: [N, U, D] float32 in [-0.5, 0.5], a fixed integer hash of (the
+    token's position, the global unit id, the coefficient index), so writer and reader compute it alike.
+    Why: before RoPE the keys of a repeated phrase are nearly identical wherever it occurs, so without a dither
+    their rounding errors are too, and they add up over the repeats instead of averaging out (on SmolLM2 the
+    cache then retrieved a passkey from long filler text far more often than FP16 KV did). With the dither added
+    before rounding and subtracted after, the error is uniform and independent of the value and of the position."""
+    p = positions.to(torch.int64).reshape(-1, 1, 1)
+    u = units.to(device=p.device, dtype=torch.int64).reshape(1, -1, 1)
+    i = torch.arange(D, device=p.device, dtype=torch.int64).reshape(1, 1, -1)
+    h = (p * 2654435761 + u * 3266489917 + i * 2246822519 + 0x6A09E667) & _M32  # the offset: no fixed point at 0
+    h = ((h ^ (h >> 15)) * 2246822519) & _M32  # int64 products wrap past 2^63; their low 32 bits are exact
+    h = ((h ^ (h >> 13)) * 3266489917) & _M32
+    h = h ^ (h >> 16)
+    return ((h.to(torch.float64) + 0.5) / 4294967296.0 - 0.5).to(torch.float32)
+
+
+def klt_pack_index(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bits [U, D] (each row summing to the same B) -> (coefficient [U, B], bit [U, B]) of each payload bit: the
+    bits of coefficient 0 first (least significant first), then coefficient 1's, and so on."""
+    coef, shift = [], []
+    for row in bits.tolist():
+        coef.append([i for i, b in enumerate(row) for _ in range(b)])
+        shift.append([j for b in row for j in range(b)])
+    if len({len(c) for c in coef}) > 1:
+        raise ValueError("KLT units of one precision must have the same number of payload bits")
+    return torch.tensor(coef, dtype=torch.long), torch.tensor(shift, dtype=torch.long)
+
+
+def encode_klt(z: torch.Tensor, bits: torch.Tensor, step: torch.Tensor, level: torch.Tensor, coef: torch.Tensor,
+               shift: torch.Tensor, dither: torch.Tensor, decoded: bool = False):
+    """Coefficients z [N, U, D] (float32, in the unit's basis) -> (payload uint8 [N, U, B/8], fp16 scale [N, U, 1],
+    the decoded coefficients or None). Per token s = fp16(max over coefficients of >= 2 bits of |z| / (qmax * step));
+    such a coefficient's code is q + qmax + 1 with q = clamp(rne(z / (s * step) + u), -qmax, qmax) for its dither u
+    (klt_dither), decoded (q - u) * s * step; a 1-bit one's code is 1 where z >= 0 (decoded +level, else -level);
+    a 0-bit one is not stored (decoded 0)."""
+    qmax = klt_qmax(bits)
+    wide = bits >= 2
+    unit = qmax * step
+    ratio = torch.where(wide, z.abs() / torch.where(wide, unit, 1.0), 0.0)
+    s16 = fp16_scale(ratio.amax(-1))
+    t = s16.float()[..., None] * step
+    q = torch.where(wide & (t > 0), round_half_even(z / torch.where(t > 0, t, 1.0) + dither), 0.0)
+    q = torch.minimum(torch.maximum(q, -qmax), qmax)
+    n = torch.where(wide, q + qmax + 1, torch.where(bits == 1, (z >= 0).float(), 0.0)).long()
+    N, U = z.shape[:2]
+    planes = (n.gather(-1, coef.expand(N, U, -1)) >> shift) & 1
+    payload = (planes.view(N, U, -1, 8) << torch.arange(8, device=z.device)).sum(-1).to(torch.uint8)
+    dec = _klt_values(n, s16, bits, step, level, dither) if decoded else None
+    return payload, s16[..., None], dec
+
+
+def _klt_values(n, s16, bits, step, level, dither):
+    """Decoded coefficients; a token whose scale is 0 decodes 0 (its codes were written as 0)."""
+    qmax, t = klt_qmax(bits), s16.float()[..., None] * step
+    return torch.where(bits >= 2, torch.where(t > 0, (n.float() - qmax - 1 - dither) * t, 0.0),
+                       torch.where(bits == 1, torch.where(n > 0, level, -level), 0.0))
+
+
+def decode_klt(payload: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor, step: torch.Tensor,
+               level: torch.Tensor, coef: torch.Tensor, shift: torch.Tensor, dither: torch.Tensor) -> torch.Tensor:
+    """encode_klt's payload and scales -> the coefficients [N, U, D] (float32)."""
+    N, U = payload.shape[:2]
+    planes = ((payload.long()[..., None] >> torch.arange(8, device=payload.device)) & 1).view(N, U, -1)
+    n = torch.zeros(N, U, bits.shape[-1], dtype=torch.long, device=payload.device)
+    n.scatter_add_(-1, coef.expand(N, U, -1), planes << shift)
+    return _klt_values(n, scales[..., 0], bits, step, level, dither)
+
+
 def encode_fp8_e4m3(y: torch.Tensor) -> torch.Tensor:
     """float32 -> E4M3 (fn) bit patterns (uint8), RNE, saturating to ±448. Bit manipulation only, so
     it is independent of any library cast (docs/KV_FORMAT.md §3 has the same steps as pseudo-code)."""
@@ -386,6 +486,9 @@ class UnitPrecision:
     payload_width: Callable[[int], int]  # payload bytes per unit and token, for head size D
     encode: Callable  # (x float32 [..., D], G, clip, decoded: bool) -> (payload, scales fp16, decoded float32 | None)
     decode: Callable  # (payload, scales, G) -> float32 [..., D]
+    # KLT units: their codec takes per-unit tables (bits, steps, levels, packing) in place of the clip, and decode
+    # takes them too; they hold keys only, as coefficients of the unit's basis (QuantKVStore._transform)
+    tabled: bool = False
 
 
 def _encode_int4(x, group_size, clip, decoded):
@@ -425,10 +528,18 @@ PRECISIONS = (
     UnitPrecision("int5", 3, torch.uint8, lambda d: d * 5 // 8, _encode_symmetric(15.0, pack_int5), dequantize_int5),
     UnitPrecision("int6", 4, torch.uint8, lambda d: d * 3 // 4, _encode_symmetric(31.0, pack_int6), dequantize_int6),
     UnitPrecision("int3", 5, torch.uint8, lambda d: d * 3 // 8, _encode_int3, dequantize_int3),
+    UnitPrecision("klt4", 6, torch.uint8, lambda d: d // 2, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
+                  lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
+    UnitPrecision("klt5", 7, torch.uint8, lambda d: d * 5 // 8, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
+                  lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
 )
 BY_CODE = {p.code: p for p in PRECISIONS}
 PRECISION_CODES = {p.name: p.code for p in PRECISIONS}
 INT4, FP8, INT8, INT5, INT6, INT3 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8", "int5", "int6", "int3"))
+KLT_PRECISIONS = {"klt4": 4, "klt5": 5}  # name -> payload bits per key element (the unit's bits sum to that * D)
+# the basis in float16: its transpose must invert it closely (a systematic error there distorts every key alike:
+# INT8 rounding of it doubled SmolLM2's held-out KL), and half of float32's bytes count against the budget
+KLT_TABLE_DTYPES = {"bits": torch.int8, "basis": torch.float16}
 # the precisions the Triton kernels, the ONNX step graphs and the TensorRT plugin read: a plan with a unit of
 # another (INT6, INT3) runs on the PyTorch path (like a plan with exact entries)
 KERNEL_PRECISIONS = PRECISIONS[:4]
@@ -465,6 +576,10 @@ class KVPlan:
     # sink_tokens or within recent_window positions of its own (itself included), the stored codes otherwise
     sink_tokens: int = 0
     recent_window: int = 0
+    # KLT key units' tables (docs/KV_FORMAT.md §3): {"mean", "weight", "step", "level" [L, KV, D] float32, "bits"
+    # [L, KV, D] int8, "basis" [L, KV, D, D] float16 (an orthonormal matrix), "inv_freq" [D/2] float32}; None when
+    # the plan has no KLT units
+    klt: Optional[dict] = None
 
     def __post_init__(self):
         if self.rotation not in ROTATIONS:
@@ -503,9 +618,40 @@ class KVPlan:
             if bad := used - set(PRECISION_CODES):
                 raise UserError(f"unknown unit precision(s) {sorted(bad)}; expected one of {', '.join(PRECISION_CODES)}",
                                 key="precision")
+            self._check_klt(used)
             if used & {"int5", "int6", "int3"} and self.head_size % 8:
                 raise UserError(f"{'/'.join(sorted(used & {'int5', 'int6', 'int3'}))} units pack bit planes of 8 "
                                 f"values a byte: head size {self.head_size} is not a multiple of 8", key="precision")
+
+    def _check_klt(self, used: set) -> None:
+        if not used & set(KLT_PRECISIONS):
+            return
+        L, KV, D = self.num_layers, self.num_kv_heads, self.head_size
+        if any(x in KLT_PRECISIONS for p in self.precision for x in p["v"]):
+            raise UserError("KLT precisions are for key units only", key="precision")
+        if self.effective_group_size != D or D % 8:
+            raise UserError(f"KLT units take one scale per token: group size must equal the head size {D} (a "
+                            "multiple of 8)", key="kv_cache.group_size")
+        shapes = {"mean": (L, KV, D), "weight": (L, KV, D), "basis": (L, KV, D, D), "bits": (L, KV, D),
+                  "step": (L, KV, D), "level": (L, KV, D), "inv_freq": (D // 2,)}
+        for name, shape in shapes.items():
+            t = (self.klt or {}).get(name)
+            if t is None or tuple(t.shape) != shape:
+                raise UserError(f"a plan with KLT units needs klt_{name} of shape {list(shape)}, got "
+                                f"{None if t is None else list(t.shape)}", key=f"klt_{name}")
+        bits = self.klt["bits"]
+        for layer, p in enumerate(self.precision):
+            for h, x in enumerate(p["k"]):
+                if x in KLT_PRECISIONS:
+                    b = bits[layer, h].long()
+                    if int(b.min()) < 0 or int(b.max()) > 8 or int(b.sum()) != KLT_PRECISIONS[x] * D:
+                        raise UserError(f"klt_bits of layer {layer} head {h} must be 0..8 and sum to "
+                                        f"{KLT_PRECISIONS[x] * D} ({x}), got sum {int(b.sum())}", key="klt_bits")
+
+    @property
+    def has_klt(self) -> bool:
+        """Whether some key units are stored as KLT coefficients before RoPE (their writes need positions)."""
+        return any(x in KLT_PRECISIONS for p in self.precision for x in p["k"])
 
     @property
     def kernel_readable(self) -> bool:
@@ -550,10 +696,11 @@ class KVPlan:
         heads = list(range(rank * KV // tp, (rank + 1) * KV // tp)) if tp <= KV else [rank // (tp // KV)]
         idx = torch.tensor(heads)
         pick = lambda t, dim: None if t is None else t.index_select(dim, idx).contiguous()  # noqa: E731
+        klt = None if self.klt is None else {n: t if n == "inv_freq" else pick(t, 1) for n, t in self.klt.items()}
         return replace(self, num_kv_heads=len(heads),
                        precision=[{t: [p[t][h] for h in heads] for t in ("k", "v")} for p in self.precision],
                        k_channel_scale=pick(self.k_channel_scale, 1), int4_clip=pick(self.int4_clip, 2),
-                       k_mean=pick(self.k_mean, 1))
+                       k_mean=pick(self.k_mean, 1), klt=klt)
 
     def unit_precision(self) -> torch.Tensor:
         """[L, 2, KV] int8 precision codes."""
@@ -585,7 +732,7 @@ class KVPlan:
                 "has_k_channel_scale": self.k_channel_scale is not None,
                 "has_int4_clip": self.int4_clip is not None, "rotation": self.rotation,
                 "has_k_mean": self.k_mean is not None, "sink_tokens": self.sink_tokens,
-                "recent_window": self.recent_window, "calibration": self.calibration}
+                "recent_window": self.recent_window, "has_klt": self.klt is not None, "calibration": self.calibration}
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
@@ -598,6 +745,8 @@ class KVPlan:
             tensors["int4_clip"] = self.int4_clip.float().contiguous().cpu()
         if self.k_mean is not None:
             tensors["k_mean"] = self.k_mean.float().contiguous().cpu()
+        for name, t in (self.klt or {}).items():
+            tensors[f"klt_{name}"] = t.to(KLT_TABLE_DTYPES.get(name, torch.float32)).contiguous().cpu()
         save_file(tensors, str(out / "scales.safetensors"))
 
     @classmethod
@@ -619,10 +768,11 @@ class KVPlan:
             plan = cls(j["format"], j["num_layers"], j["num_kv_heads"], j["head_size"], j["group_size"],
                        j["precision"], t.get("k_channel_scale"), t.get("int4_clip"),
                        j.get("outlier_fraction", 0.0), j.get("calibration", {}),
-                       j.get("rotation", "none"), t.get("k_mean"), j.get("sink_tokens", 0), j.get("recent_window", 0))
+                       j.get("rotation", "none"), t.get("k_mean"), j.get("sink_tokens", 0), j.get("recent_window", 0),
+                       {n[4:]: x for n, x in t.items() if n.startswith("klt_")} or None)
         except KeyError as e:
             raise UserError("missing key in KV plan", file=str(f), key=str(e.args[0])) from None
-        for name in ("k_channel_scale", "k_mean"):
+        for name in ("k_channel_scale", "k_mean", "klt"):
             if j.get(f"has_{name}") and getattr(plan, name) is None:
                 raise UserError(f"plan says it has {name} but scales.safetensors lacks it",
                                 file=str(d / "scales.safetensors"), key=name)
@@ -669,6 +819,17 @@ class QuantKVStore(KVStore):
         self.rotation = plan.rotation
         self.k_mean = plan.k_mean.float().to(dev).contiguous() if plan.k_mean is not None else None
         self._H = hadamard(D, dev) if plan.rotation == "hadamard" else None
+        # KLT key units: per layer (their heads, basis, inverse, mean); positions of every slot, for RoPE on read
+        self._klt, self.positions = {}, None
+        if plan.has_klt:
+            t = {n: x.to(dev) for n, x in plan.klt.items()}
+            self.inv_freq = t["inv_freq"].float()
+            self.positions = torch.zeros(num_pages, page_size, dtype=torch.int32, device=dev)
+            for layer in range(L):
+                heads = [h for h, x in enumerate(plan.precision[layer]["k"]) if x in KLT_PRECISIONS]
+                if heads:
+                    hi = torch.tensor(heads, device=dev)
+                    self._klt[layer] = (hi, *(t[n][layer, hi] for n in ("basis", "weight", "mean")))
         # what the kernels multiply dequantized keys by: with a transform the channel scale is folded into the
         # query instead (kernel_query), and the kernels see ones
         self.kernel_k_channel_scale = torch.ones_like(self.k_channel_scale) if self.transformed else self.k_channel_scale
@@ -679,8 +840,23 @@ class QuantKVStore(KVStore):
             prec = self.unit_precision[layer].flatten().cpu()
             self._groups[layer] = [
                 (c, units.to(dev), self.unit_index[layer].flatten()[units.to(dev)].long(),
-                 self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
+                 self._klt_tables(layer, units) if BY_CODE[c].tabled
+                 else self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
                 for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
+
+    def _dither(self, layer: int, units: torch.Tensor, p, o) -> torch.Tensor:
+        """KLT units' dither for slots (p, o): from their recorded positions and global unit ids (K units)."""
+        return klt_dither(self.positions[p, o], layer * 2 * self.num_kv_heads + units, self.head_size)
+
+    def _klt_tables(self, layer: int, units: torch.Tensor) -> tuple:
+        """A KLT group's codec tables: (bits, step, level [U, D], packing coefficient / bit [U, B]); the units are
+        key units (ids < KV on the stacked K|V axis, i.e. heads)."""
+        t, heads = self.plan.klt, units.cpu()
+        bits = t["bits"][layer, heads].long()
+        coef, shift = klt_pack_index(bits)
+        dev = self.unit_precision.device
+        return tuple(x.to(dev) for x in (bits, t["step"][layer, heads].float(), t["level"][layer, heads].float(),
+                                         coef, shift))
 
     def pools(self, precisions=PRECISIONS) -> list[torch.Tensor]:
         """Payload and scale pool of each of `precisions` (default: all), in registry order. The kernels, the ONNX
@@ -707,6 +883,8 @@ class QuantKVStore(KVStore):
         for c, units, idx, clip in groups:
             xs = x if whole else x[:, units]
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
+            if BY_CODE[c].tabled:
+                clip = clip + (self._dither(layer, units, p, o),)
             q, sc, dec = BY_CODE[c].encode(xs, self.G, clip, out is not None)
             self.payload[c][pi, ii, oi], self.scales[c][pi, ii, oi] = q, sc
             if out is None:
@@ -719,9 +897,11 @@ class QuantKVStore(KVStore):
     def _dequantize(self, layer: int, p, o) -> torch.Tensor:
         """-> [N, 2 * KV, D]: K units then V units of one layer, in the transformed basis."""
         out = torch.empty(len(p), 2 * self.num_kv_heads, self.head_size, dtype=torch.float32, device=p.device)
-        for c, heads, idx, _ in self._groups[layer]:
+        for c, heads, idx, tables in self._groups[layer]:
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
-            out[:, heads] = BY_CODE[c].decode(self.payload[c][pi, ii, oi], self.scales[c][pi, ii, oi], self.G)
+            prec = BY_CODE[c]
+            out[:, heads] = prec.decode(self.payload[c][pi, ii, oi], self.scales[c][pi, ii, oi], self.G,
+                                        *((tables + (self._dither(layer, heads, p, o),),) if prec.tabled else ()))
         return out
 
     @property
@@ -735,15 +915,23 @@ class QuantKVStore(KVStore):
         kv = self._transform(layer, k, v)
         return kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]
 
-    def _transform(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """transform() as one [N, 2 * KV, D] tensor, K units then V units."""
+    def _transform(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """transform() as one [N, 2 * KV, D] tensor, K units then V units; KLT key units (which need the tokens'
+        positions) as their coefficients, (unrope(k) - mean) @ basis."""
+        raw = k
         k = k.float()
         if self.k_mean is not None:
             k = k - self.k_mean[layer]
         if self._has_kcs:
             k = k / self.k_channel_scale[layer]
         kv = torch.cat([k, v.float()], dim=1)
-        return kv @ self._H if self._H is not None else kv
+        kv = kv @ self._H if self._H is not None else kv
+        if layer in self._klt:
+            heads, V, weight, mean = self._klt[layer]
+            pre = rope_rotate(raw[:, heads], positions, self.inv_freq, -1.0)
+            kv[:, heads] = torch.einsum("nhd,hde->nhe", (pre - mean) * weight, V.float())
+        return kv
 
     def kernel_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [..., H, D] as kernels that attend over the transformed K/V directly take it: (q * c) @ H, float32.
@@ -759,24 +947,39 @@ class QuantKVStore(KVStore):
         """Attention output over the transformed V [..., D] -> the model's: out @ H (H is its own inverse)."""
         return out.float() @ self._H if self._H is not None else out
 
-    def write(self, layer, slots, k, v):
-        p, o = self._split(slots)
-        self._quantize(self._transform(layer, k, v), layer, p, o)
+    def _positions(self, p, o, positions):
+        """Record the written slots' RoPE positions (KLT plans: a read re-applies RoPE at them)."""
+        if self.positions is None:
+            return None
+        if positions is None:
+            raise ValueError("this KV plan stores keys before RoPE (KLT units): write() needs the tokens' positions")
+        positions = positions.reshape(-1).to(self.positions.device)
+        self.positions[p, o] = positions.to(torch.int32)
+        return positions
 
-    def write_read(self, layer, slots, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer, slots, k, v, positions=None):
+        p, o = self._split(slots)
+        positions = self._positions(p, o, positions)
+        self._quantize(self._transform(layer, k, v, positions), layer, p, o)
+
+    def write_read(self, layer, slots, k, v, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """write(), returning what read(layer, slots) now gives (k, v [N, KV, D] in the compute dtype)."""
         p, o = self._split(slots)
-        x = self._transform(layer, k, v)
+        positions = self._positions(p, o, positions)
+        x = self._transform(layer, k, v, positions)
         out = torch.empty_like(x)
         self._quantize(x, layer, p, o, out)
-        return self._untransform(layer, out)
+        return self._untransform(layer, out, positions)
 
     def read(self, layer, slots):
         p, o = self._split(slots)
-        return self._untransform(layer, self._dequantize(layer, p, o))
+        positions = self.positions[p, o] if self.positions is not None else None
+        return self._untransform(layer, self._dequantize(layer, p, o), positions)
 
-    def _untransform(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _untransform(self, layer: int, kv: torch.Tensor,
+                     positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2 * KV, D] in the stored basis -> k, v [N, KV, D] as the model sees them, in the compute dtype."""
+        z = kv
         if self._H is not None:
             kv = kv @ self._H
         k, v = kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]
@@ -784,6 +987,11 @@ class QuantKVStore(KVStore):
             k = k * self.k_channel_scale[layer]
         if self.k_mean is not None:
             k = k + self.k_mean[layer]
+        if layer in self._klt:
+            heads, V, weight, mean = self._klt[layer]
+            pre = torch.einsum("nhe,hde->nhd", z[:, heads], V.float()) / weight + mean
+            k = k.clone()
+            k[:, heads] = rope_rotate(pre, positions, self.inv_freq, 1.0)
         return k.to(self.dtype), v.to(self.dtype)
 
     def move(self, src, dst):
@@ -791,10 +999,15 @@ class QuantKVStore(KVStore):
         dp, do = self._split(dst)
         for t in self.pools():
             t[dp, :, do] = t[sp, :, so].clone()
+        if self.positions is not None:
+            self.positions[dp, do] = self.positions[sp, so].clone()
 
     def nbytes(self) -> int:
         static = [self.unit_precision, self.unit_index, self.k_channel_scale, self.int4_clip]
-        static += [t for t in (self.k_mean, self._H) if t is not None]
+        static += [t for t in (self.k_mean, self._H, self.positions) if t is not None]
+        static += [t for tables in self._klt.values() for t in tables[1:]]
+        if self._klt:
+            static += [self.plan.klt[n] for n in ("step", "level", "bits", "inv_freq")]
         return sum(t.numel() * t.element_size() for t in self.pools() + static)
 
 
@@ -832,8 +1045,8 @@ def fake_quantize(x: torch.Tensor, precision: str, group_size: int,
         x = x / channel_scale
     if rotate:
         x = x @ hadamard(x.shape[-1], x.device)
-    if precision not in PRECISION_CODES:
-        raise ValueError(f"unknown precision {precision!r}")
+    if precision not in PRECISION_CODES or BY_CODE[PRECISION_CODES[precision]].tabled:
+        raise ValueError(f"fake_quantize: unknown or tabled (KLT) precision {precision!r}")
     prec = BY_CODE[PRECISION_CODES[precision]]
     y = prec.decode(*prec.encode(x, group_size, clip, False)[:2], group_size)
     if rotate:

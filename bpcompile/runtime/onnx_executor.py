@@ -146,8 +146,9 @@ class OnnxExecutor(Executor):
         if kv.dense is not None:
             raise ValueError("the onnxruntime executor reads the paged store, not a dense copy")
         if ops.is_quantized(kv.store) and not kv.store.kernel_readable:
-            raise UserError("the ONNX step graphs read INT4/FP8/INT8/INT5 units; this KV plan has INT6 or INT3 "
-                            "units, which the torch executor reads (kv_cache: int6_keys / int3_values)", key="executor")
+            raise UserError("the ONNX step graphs read INT4/FP8/INT8/INT5 units; this KV plan has INT6, INT3 or KLT "
+                            "units, which the torch executor reads (kv_cache: int6_keys / int3_values / key_transform)",
+                            key="executor")
         _register_all()
         rename = _renames(kv.store)
         self.prefill_sess = _session(Path(graphs) / "prefill.onnx", rename)

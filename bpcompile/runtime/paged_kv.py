@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bpcompile.kernels.tree_mask import unpack_tree_mask
-from bpcompile.runtime.kvcache import FloatKVStore, KVStore
+from bpcompile.runtime.kvcache import FloatKVStore, KVPlan, KVStore, make_kv_store
 from bpcompile.runtime.model import ModelConfig
 
 KVStoreFactory = Callable[[ModelConfig, int, int, str], KVStore]  # (model cfg, num_pages, page_size, device)
@@ -212,16 +212,17 @@ class PagedKV:
                             dtype=torch.int32, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+              dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              positions: Optional[torch.Tensor] = None) -> None:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
         view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N])."""
         if self.dense is None:
-            write_kv(self.store, layer, slots, k, v, self.kern)
+            write_kv(self.store, layer, slots, k, v, self.kern, positions)
         elif self.dense.plain:
-            self.store.write(layer, slots, k, v)
+            self.store.write(layer, slots, k, v, positions)
             self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
         else:  # the store decodes what it just wrote (what a read of those slots would return)
-            self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v))
+            self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v, positions))
         if self.recent is not None:
             self.recent.write(layer, *dense_at, k, v)
 
@@ -314,7 +315,7 @@ def kernels_for(store: KVStore, device: torch.device):
             _warn_once("the Triton kernels do not read exact (sink / recent-window) entries; using the PyTorch path")
             return None
         if not store.kernel_readable:
-            _warn_once("the Triton kernels do not read INT6 or INT3 units; using the PyTorch path")
+            _warn_once("the Triton kernels do not read INT6, INT3 or KLT units; using the PyTorch path")
             return None
         from bpcompile.kernels import paged as kernels
         if _kernels_take(store.head_size, store.G):
@@ -339,11 +340,16 @@ def _kernels_take(head_size: int, group_size: int) -> bool:
     return why is None
 
 
-def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern=False) -> None:
+def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern=False,
+             positions: Optional[torch.Tensor] = None) -> None:
     """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel (kern: the
-    kernels module or None as resolved by kernels_for; False: resolve here)."""
+    kernels module or None as resolved by kernels_for; False: resolve here). positions [N]: the tokens' RoPE
+    positions, which a plan with KLT key units needs (the kernels do not read such plans)."""
     kern = kernels_for(store, k.device) if kern is False else kern
-    (kern.quantize_append if kern else type(store).write)(store, layer, slots, k, v)
+    if kern:
+        kern.quantize_append(store, layer, slots, k, v)
+    else:
+        store.write(layer, slots, k, v, positions)
 
 
 def move_kv(store: KVStore, src: torch.Tensor, dst: torch.Tensor, kern=False) -> None:
@@ -402,3 +408,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: O
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
         o = p @ v
     return o.view(B, KV, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
+
+
+def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahead: int = 6,
+                          page_size: int = 16) -> float:
+    """FP16 cache bytes / this plan's, both as the runtime allocates them for one sequence of seq_len tokens with
+    lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact copies)."""
+    c = model_cfg
+    pages = cache_pages(1, seq_len, lookahead, page_size)
+    fp16 = FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, pages, page_size, dtype=torch.float16)
+    store = make_kv_store(plan, c, pages, page_size)
+    ours = store.nbytes()
+    if plan.has_exact:
+        ours += RecentKV(store, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
+    return fp16.nbytes() / ours
