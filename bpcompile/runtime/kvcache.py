@@ -326,13 +326,14 @@ def dequantize_int3(packed: torch.Tensor, scales: torch.Tensor, group_size: int)
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """GPT-NeoX RoPE (pairs i, i + D/2) of x [N, ..., D] at positions [N], float32; sign -1 undoes it."""
+    """GPT-NeoX RoPE (pairs i, i + D/2) of x [N, ..., D] at positions [N], float32, through the model's own
+    apply_rope; sign -1 undoes it (a rotation by minus the angle)."""
+    from bpcompile.runtime.model import apply_rope
+
     ang = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None]  # [N, D/2]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
-    c, s = ang.cos().view(shape), (sign * ang.sin()).view(shape)
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h].float(), x[..., h:].float()
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    s = sign * ang.sin()
+    return apply_rope(x.float(), torch.cat([ang.cos()] * 2, -1).view(shape), torch.cat([-s, s], -1).view(shape))
 
 
 def klt_qmax(bits: torch.Tensor) -> torch.Tensor:
