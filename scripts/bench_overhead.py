@@ -69,12 +69,13 @@ def run(gen: Generator, timers: list[Timed], prompts: list[list[int]], n: int) -
             "overhead_share": sum(w - f for w, f in decode) / sum(w for w, _ in decode)}
 
 
-def default_kv_cache() -> dict:
-    """recipes/smollm2.yaml's kv_cache section as the native target resolves it (the default plan)."""
+def default_kv_cache(overrides: dict | None = None) -> dict:
+    """recipes/smollm2.yaml's kv_cache section (with `overrides`, as a recipe would set them) as the native target
+    resolves it (the default plan)."""
     import yaml
     from bpcompile.core.engine import EngineConfig
 
-    kv = yaml.safe_load((REPO / "recipes" / "smollm2.yaml").read_text())["kv_cache"]
+    kv = yaml.safe_load((REPO / "recipes" / "smollm2.yaml").read_text())["kv_cache"] | (overrides or {})
     return EngineConfig.model_validate({"name": "bench", "kv_cache": kv}).kv_cache.model_dump()
 
 

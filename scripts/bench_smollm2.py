@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_smollm2.py                         # prints a markdown table
     .venv/bin/python scripts/bench_smollm2.py --json out.json --prompts 12 --repeats 3
+    .venv/bin/python scripts/bench_smollm2.py --rows plan,plan_codes --kv key_transform=klt   # an opt-in plan's speed
 
 Every row decodes the same chat prompts (held-out pydoc instruction prompts through SmolLM2's chat template)
 greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 weights (a feature draft packs its
@@ -97,6 +98,9 @@ def main() -> None:
     ap.add_argument("--rows", default="all", help="comma-separated row keys to run (default: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the raw timings here")
+    ap.add_argument("--kv", action="append", default=[], metavar="KEY=VALUE",
+                    help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
+                         "key_transform=klt); the rows still say 'default KV plan'")
     ap.add_argument("--plain-weights", action="store_true",
                     help="keep PyTorch's plain weight layout (default: oneDNN-packed, as engines run on CPU)")
     a = ap.parse_args()
@@ -121,9 +125,15 @@ def main() -> None:
     t = time.perf_counter()
     from bench_overhead import default_kv_cache  # this directory: the recipe's kv_cache as the native target resolves it
 
-    plan, _ = calibrate(v, corpus.calibration_samples(a.verifier, 16, 128), default_kv_cache(), tokenizer=a.verifier)
-    print(f"calibrated the default plan in {time.perf_counter() - t:.0f}s ({plan.compression_vs_fp16(2048, 6):.2f}x "
-          f"at 2048 tokens)",
+    import yaml
+
+    if any("=" not in kv for kv in a.kv):
+        ap.error(f"--kv takes KEY=VALUE, got {[kv for kv in a.kv if '=' not in kv]}")
+    overrides = {k: yaml.safe_load(x) for k, x in (kv.split("=", 1) for kv in a.kv)}
+    plan, _ = calibrate(v, corpus.calibration_samples(a.verifier, 16, 128), default_kv_cache(overrides),
+                        tokenizer=a.verifier)
+    print(f"calibrated the default plan{' with ' + ', '.join(a.kv) if a.kv else ''} in {time.perf_counter() - t:.0f}s "
+          f"({plan.compression_vs_fp16(2048, 6):.2f}x at 2048 tokens)",
           file=sys.stderr)
     if not a.plain_weights:  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
         for m in (v, d, rnd):

@@ -463,3 +463,23 @@ def test_klt_plans_save_load_validate_and_count_their_tables(tmp_path):
     with_tables = QuantKVStore(plan, 8, 4).nbytes()
     plain = QuantKVStore(replace(plan, precision=[{"k": ["int4"] * 2, "v": ["int4"] * 2}] * 2, klt=None), 8, 4).nbytes()
     assert with_tables - plain >= 4 * 16 * 16 * 2
+
+
+def test_allocated_compression_counts_tables_once_per_pool_and_windows_per_sequence():
+    """The runtime allocates one pool for max_batch_size sequences: a KLT plan's per-engine tables weigh less in a
+    larger pool, an exact window's copies (one ring per sequence) and the payload do not."""
+    from dataclasses import replace
+
+    from bpcompile.runtime.paged_kv import allocated_compression
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, head_size=16,
+                      intermediate_size=8)
+    plan, _ = klt_plan()
+    int4 = replace(plan, precision=[{"k": ["int4"] * 2, "v": ["int4"] * 2}] * 2, klt=None)
+    windowed = replace(int4, recent_window=8)
+
+    def gain(p):  # compression in a pool of 8 sequences over that at one
+        return allocated_compression(p, cfg, 256, 6, sequences=8) / allocated_compression(p, cfg, 256, 6)
+    assert allocated_compression(plan, cfg, 256, 6, sequences=8) < allocated_compression(int4, cfg, 256, 6, sequences=8)
+    assert gain(plan) > gain(int4) * 1.05  # the D x D tables, once per pool
+    assert gain(windowed) == pytest.approx(gain(int4), rel=0.02)  # a window ring per sequence: no gain of its own

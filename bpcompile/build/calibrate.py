@@ -546,7 +546,8 @@ def with_klt_keys(plan: KVPlan, report: dict, verifier: Llama, samples: list[lis
     unit_bits = {(layer, h): KLT_PRECISIONS[to[x]] * D for layer, p in enumerate(plan.precision)
                  for h, x in enumerate(p["k"]) if x in to and layer in layers}
     if plan.effective_group_size != D:
-        raise UserError(f"key_transform: klt needs one scale per token (group_size >= head size {D})",
+        raise UserError(f"key_transform: klt needs one scale per token: set group_size: {D} (the head size), or "
+                        "key_transform: none",
                         key="kv_cache.group_size")
     klt = fit_klt(verifier, samples, unit_bits)
     prec = [{"k": [to[x] if (layer, h) in unit_bits else x for h, x in enumerate(p["k"])], "v": list(p["v"])}
@@ -593,9 +594,11 @@ def recipe_samples(tokenizer_dir, calibration_cfg: dict, calibration_file=None) 
 
 
 def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict, calibration_cfg: dict,
-                           out_dir, calibration_file=None, seq_len: int = 2048, lookahead: int = 6) -> dict:
+                           out_dir, calibration_file=None, seq_len: int = 2048, lookahead: int = 6,
+                           sequences: int = 1) -> dict:
     """Build stage: calibrate the converted verifier and write `out_dir` (= <version>/kv_plan/). seq_len,
-    lookahead: the recipe's max_seq_len and largest tree (the reported compression's allocation)."""
+    lookahead, sequences: the recipe's max_seq_len, largest tree and max_batch_size (the reported compression's
+    allocation: the runtime's pool)."""
     cfg = KVCalibConfig.from_dict(kv_cache_cfg)
     cal = dict(calibration_cfg or {})
     length = int(cal.get("length", 128))
@@ -612,22 +615,28 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     int6 = int6_key_layers(report.get("int6_keys", "none"), plan.num_layers)
     rss = peak_rss_bytes()
     klt = report.get("klt_layers")
-    if plan.has_klt:  # the D x D tables are per engine, not per token: say what one sequence's allocation comes to
+    band_klt = bool(int5 and klt and klt[0] <= int5.start and int5.stop <= klt[1])  # the INT5 band stored as KLT5
+    if plan.has_klt:  # the D x D tables are per engine, not per token: say what the runtime's pool comes to
         from bpcompile.runtime.paged_kv import allocated_compression
 
-        report["allocated_compression"] = round(allocated_compression(plan, verifier.cfg, seq_len, lookahead), 4)
+        report["allocated_compression"] = round(allocated_compression(plan, verifier.cfg, seq_len, lookahead,
+                                                                      sequences=sequences), 4)
+        report["allocated_compression_one_sequence"] = round(allocated_compression(plan, verifier.cfg, seq_len,
+                                                                                   lookahead), 4)
     return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
                       f"{report.get('outlier_precision', 'fp8').upper()}{' ' + ' '.join(fp8) if fp8 else ''}"
                       f"{', rotated' if report.get('rotation') == 'hadamard' else ''}"
                       + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
                       + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 else "")
-                      + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 else "")
-                      + (f", keys of layers {klt[0]}-{klt[1] - 1} KLT (before RoPE)" if klt else "")
+                      + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 and not band_klt else "")
+                      + (f", keys of layers {klt[0]}-{klt[1] - 1} KLT (before RoPE"
+                         + (f"; layers {int5.start}-{int5.stop - 1} KLT5)" if band_klt else ")") if klt else "")
                       + (f", {report['int3_units']} value units INT3" if report.get("int3_units") else "")
                       + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
                       + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")
-                      + (f" ({report['allocated_compression']:.2f}x with the KLT tables, one sequence)"
-                         if "allocated_compression" in report else "")
+                      + (f" ({report['allocated_compression']:.2f}x with the KLT tables in the runtime's pool of "
+                         f"{sequences} x {seq_len} tokens, {report['allocated_compression_one_sequence']:.2f}x at one "
+                         "sequence)" if "allocated_compression" in report else "")
                       + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
             "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8,
             "retrieval_units": ret, "peak_rss_bytes": rss}

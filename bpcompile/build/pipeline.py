@@ -283,7 +283,7 @@ def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
     rep.run("calibrate", lambda: calibrate_engine_stage(
         stage / "verifier", stage / "tokenizer", kv.model_dump(), loaded.recipe.calibration.model_dump(),
         stage / "kv_plan", calibration_file=loaded.calibration_file, seq_len=loaded.recipe.limits.max_seq_len,
-        lookahead=tree_tokens(loaded.recipe)))
+        lookahead=tree_tokens(loaded.recipe), sequences=loaded.recipe.limits.max_batch_size))
     if loaded.recipe.target == "tensorrt-llm" and kv.format in ("fp8", "int8"):
         from bpcompile.build.trtllm import kv_scales_stage  # TensorRT-LLM's per-layer scales (no TensorRT needed)
 

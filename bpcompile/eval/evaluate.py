@@ -80,10 +80,11 @@ def _fp16_plan(c) -> KVPlan:
 
 
 def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], batch: int = 8,
-             seq_len: int = 2048, lookahead: int = 6) -> dict:
+             seq_len: int = 2048, lookahead: int = 6, sequences: int = 1) -> dict:
     """plans: {name: KVPlan or format name ('fp16', 'fp8', 'int8', 'int4-naive')}. Returns a report dict
-    with one row per plan and a markdown table under "markdown". seq_len, lookahead: the allocation compression is
-    reported for (an engine's max_seq_len and largest tree)."""
+    with one row per plan and a markdown table under "markdown". seq_len, lookahead, sequences: the allocation
+    compression is reported for (an engine's max_seq_len, largest tree and max_batch_size: the runtime's pool);
+    "compression_one_sequence" is the same at one sequence (per-engine tables weigh most there)."""
     c = verifier.cfg
     plans = {n: (p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size))
              for n, p in plans.items()}
@@ -113,7 +114,9 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
                      "int6_units": sum(x == "int6" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "int3_units": sum(x == "int3" for p in plan.precision for t in ("k", "v") for x in p[t]),
                      "klt_units": sum(x.startswith("klt") for p in plan.precision for x in p["k"]),
-                     "compression_vs_fp16": round(allocated_compression(plan, c, seq_len, lookahead), 4),
+                     "compression_vs_fp16": round(allocated_compression(plan, c, seq_len, lookahead,
+                                                                        sequences=sequences), 4),
+                     "compression_one_sequence": round(allocated_compression(plan, c, seq_len, lookahead), 4),
                      "ppl": math.exp(nll / n), "top1_agreement": agree / seqs.numel(),
                      "kl_vs_fp16": kl / seqs.numel(),
                      # per-sequence sums (NLL over predicted tokens, KL over positions): for paired statistics
@@ -123,24 +126,25 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
     for r in rows:
         r["ppl_delta_pct"] = None if base is None else 100 * (r["ppl"] / base - 1)
     report = {"tokens": int(seqs.numel()), "sequences": len(seqs), "seq_len": int(seqs.shape[1]), "rows": rows,
-              "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead}}
+              "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead, "sequences": sequences}}
     report["markdown"] = markdown_table(report)
     return report
 
 
 def markdown_table(report: dict) -> str:
     nl = len(report["rows"][0]["attn_rel_error"]) if report["rows"] else 0
-    head = ("| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 / KLT units | compression (allocated) | held-out ppl | Δppl | top-1 agreement | "
+    head = ("| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 / KLT units | compression (allocated; one sequence) | held-out ppl | Δppl | top-1 agreement | "
             "KL vs FP16 KV (nats/token) | " + " | ".join(f"attn err L{i}" for i in range(nl)) + " |")
     lines = [head, "|" + "---|" * (7 + nl)]
     for r in report["rows"]:
         d = "" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
         units = " / ".join(str(r.get(f"{x}_units", 0)) for x in ("fp8", "int8", "int5", "int6", "int3", "klt"))
         lines.append(f"| {r['name']} | {units} | "
-                     f"{r['compression_vs_fp16']:.2f}x | {r['ppl']:.4f} | {d} | "
+                     f"{r['compression_vs_fp16']:.2f}x; {r.get('compression_one_sequence', r['compression_vs_fp16']):.2f}x | {r['ppl']:.4f} | {d} | "
                      f"{100 * r['top1_agreement']:.2f}% | {r['kl_vs_fp16']:.5f} | " + " | ".join(f"{e:.4f}" for e in r["attn_rel_error"]) + " |")
     lines.append(f"\n{report['sequences']} sequences x {report['seq_len']} tokens ({report['tokens']} positions) of "
-                 f"{report.get('text', 'held-out text')}; agreement is against the same model with an FP16 KV cache.")
+                 f"{report.get('text', 'held-out text')}; agreement is against the same model with an FP16 KV cache. "
+                 + _allocation_note(report.get("compression_at")))
     return "\n".join(lines)
 
 
@@ -462,17 +466,25 @@ def _pick(plans: dict, only) -> dict:
     return keep
 
 
-def _allocation(engine_dir: Path) -> tuple[int, int]:
-    """(max_seq_len, lookahead) the engine's runtime allocates its cache for (engine.json's limits and tree);
-    evaluate()'s defaults for a version without engine.json."""
+def _allocation_note(at: Optional[dict]) -> str:
+    if not at:
+        return ""
+    n = at.get("sequences", 1)
+    return (f"Compression: bytes the runtime allocates for {n} sequence{'s' if n != 1 else ''} of {at['max_seq_len']} "
+            f"tokens + a {at['lookahead']}-token tree against FP16's, scales, tables and exact copies counted.")
+
+
+def _allocation(engine_dir: Path) -> tuple[int, int, int]:
+    """(max_seq_len, lookahead, max_batch_size) the engine's runtime allocates its cache pool for (engine.json's
+    limits and tree); evaluate()'s defaults for a version without engine.json."""
     from bpcompile.build.plan import tree_tokens
     from bpcompile.core.engine import EngineConfig
 
     try:
         e = EngineConfig.load(engine_dir)
     except UserError:
-        return 2048, 6
-    return e.limits.max_seq_len, tree_tokens(e)
+        return 2048, 6, 1
+    return e.limits.max_seq_len, tree_tokens(e), e.limits.max_batch_size
 
 
 def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: int = 16,
@@ -510,8 +522,8 @@ def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: 
         if own.has_exact:  # what the exact entries buy, measured on the same windows
             all_plans[f"engine plan ({own.format}), no exact entries"] = replace(own, sink_tokens=0, recent_window=0)
     chosen = _pick(all_plans, plans)
-    seq_len, lookahead = _allocation(engine_dir)
-    report = evaluate(verifier, chosen, windows, seq_len=seq_len, lookahead=lookahead)
+    seq_len, lookahead, sequences = _allocation(engine_dir)
+    report = evaluate(verifier, chosen, windows, seq_len=seq_len, lookahead=lookahead, sequences=sequences)
     report["engine"] = str(engine_dir)
     report["text"] = what
     if passkey_lengths or parity_prompts:

@@ -411,14 +411,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: O
 
 
 def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahead: int = 6,
-                          page_size: int = 16) -> float:
-    """FP16 cache bytes / this plan's, both as the runtime allocates them for one sequence of seq_len tokens with
-    lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact copies)."""
+                          page_size: int = 16, sequences: int = 1) -> float:
+    """FP16 cache bytes / this plan's, both as the runtime allocates them for `sequences` sequences of seq_len
+    tokens with lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact
+    copies). The runtime allocates one pool for an engine's max_batch_size sequences; per-engine tables (the KLT
+    bases) are counted once per pool, so the figure at one sequence is the most conservative."""
     c = model_cfg
-    pages = cache_pages(1, seq_len, lookahead, page_size)
+    pages = cache_pages(sequences, seq_len, lookahead, page_size)
     fp16 = FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, pages, page_size, dtype=torch.float16)
     store = make_kv_store(plan, c, pages, page_size)
     ours = store.nbytes()
     if plan.has_exact:
-        ours += RecentKV(store, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
+        ours += RecentKV(store, sequences, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
     return fp16.nbytes() / ours
