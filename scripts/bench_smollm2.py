@@ -101,8 +101,12 @@ def main() -> None:
     ap.add_argument("--kv", action="append", default=[], metavar="KEY=VALUE",
                     help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
                          "key_transform=klt); the rows still say 'default KV plan'")
-    ap.add_argument("--plain-weights", action="store_true",
-                    help="keep PyTorch's plain weight layout (default: oneDNN-packed, as engines run on CPU)")
+    ap.add_argument("--weights", choices=("packed", "auto", "plain"), default="packed",
+                    help="bpcompile's weight layout: packed = every linear oneDNN-packed (as engines run on CPU), "
+                         "auto = each where packing is faster on this machine (Llama.pack_for_cpu(choose=True)), "
+                         "plain = none")
+    ap.add_argument("--plain-weights", dest="weights", action="store_const", const="plain",
+                    help="the same as --weights plain")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,9 +139,10 @@ def main() -> None:
     print(f"calibrated the default plan{' with ' + ', '.join(a.kv) if a.kv else ''} in {time.perf_counter() - t:.0f}s "
           f"({plan.compression_vs_fp16(2048, 6):.2f}x at 2048 tokens)",
           file=sys.stderr)
-    if not a.plain_weights:  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
+    choose = a.weights == "auto"
+    if a.weights != "plain":  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
         for m in (v, d, rnd):
-            m.pack_for_cpu()
+            m.pack_for_cpu(choose=choose)
     fd = fd_rnd = None
     if Path(a.feature_draft, "config.json").is_file():
         fd = FeatureDraft.from_dir(a.feature_draft, v)  # shares v's (packed) head and embedding
@@ -145,9 +150,9 @@ def main() -> None:
         for name, b in fd_rnd.named_buffers():  # same shape and cost, useless proposals
             if b.is_floating_point() and "norm" not in name and "sub_head" not in name:
                 torch.nn.init.normal_(b, std=0.02)
-        if not a.plain_weights:
-            fd.pack_for_cpu()
-            fd_rnd.pack_for_cpu()
+        if a.weights != "plain":
+            fd.pack_for_cpu(choose=choose)
+            fd_rnd.pack_for_cpu(choose=choose)
     fp16 = float_store_factory(torch.float16)
     rows = {
         "hf": ("transformers generate (fp32 cache)", hf(hv)),
@@ -219,8 +224,12 @@ def main() -> None:
     n_tok = a.max_tokens * len(ps)
     packed = getattr(fd.layers[0].qkv, "packed", None) if fd is not None else None
     draft_note = "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
+    n_packed = sum(type(m).__name__ == "PackedLinear" for m in v.modules())
+    n_lin = n_packed + sum(type(m).__name__ == "_Linear" for m in v.modules())
+    layout = {"plain": "plain layout", "packed": "oneDNN-packed",
+              "auto": f"oneDNN-packed where faster: {n_packed} of the verifier's {n_lin} linears"}[a.weights]
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
-             f"weights ({'plain layout' if a.plain_weights else 'oneDNN-packed'} for bpcompile{draft_note}), "
+             f"weights ({layout} for bpcompile{draft_note}), "
              f"{a.threads} threads, "
              f"torch {torch.__version__}, {platform.processor() or platform.machine()}",
              "", "| row | tokens/s (median) | vs transformers | vs verifier-only FP16 | tau |", "|---|---|---|---|---|"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -145,9 +146,10 @@ class _Linear(torch.nn.Module):
 class PackedLinear(torch.nn.Module):
     """A `_Linear` whose weight oneDNN has reordered into its blocked layout (CPU, float32), multiplied by
     oneDNN's own kernel. Why: a tree verify multiplies 2-12 rows at a time, and for those PyTorch's BLAS
-    path over a plain layout is several times slower than for one row (measured here at 2 threads: the
+    path over a plain layout was several times slower than for one row (on an AMD EPYC VM at 2 threads: the
     576 x 3072 MLP matrix 1.1 ms for 6 rows against 0.17 ms for one; the 49152-row head 29 ms against
-    6 ms); the packed kernel takes 0.24 ms and 9 ms, and one row is no slower. The packed tensor is opaque:
+    6 ms); the packed kernel took 0.24 ms and 9 ms, and one row was no slower. Not everywhere: packing_pays
+    times both per shape. The packed tensor is opaque:
     `weight` returns a dense copy, so editing it does not edit the model.
 
     dtype bfloat16 stores the weight in bfloat16 and multiplies bfloat16-rounded inputs, returning float32 (the
@@ -282,11 +284,48 @@ class Block(torch.nn.Module):
         return h + self.down(F.silu(gate) * up)
 
 
-def _pack_linears(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+PACK_ROWS = (1, 6)  # rows a decode step multiplies at batch 1: one token, and a tree verify (a dynamic tree of 5 + 1)
+
+
+@functools.cache
+def packing_pays(out_features: int, in_features: int, dtype: torch.dtype = torch.float32, rows=PACK_ROWS) -> bool:
+    """Whether oneDNN's packed layout (in `dtype`) multiplies an [out, in] weight faster than the plain float32
+    layout on this machine, summed over products of `rows` rows: timed once per shape and process (best of 5).
+    Why timed: on an AMD EPYC VM the packed kernel was several times faster for 2-12 rows and no slower for one; on
+    an Intel Xeon with AMX the plain layout was faster for most of SmolLM2's matrices at both (its 49152-row head
+    at 6 rows the exception). Packed only when clearly faster (by 10%): the two compute the same products to
+    float32 rounding, and a near tie keeps the plain layout."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g)
+    plain, packed = _Linear(w), PackedLinear(_Linear(w), dtype)
+    n = max(3, min(200, int(2e7 // (out_features * in_features))))
+    with torch.inference_mode():
+        xs = [torch.randn(r, in_features, generator=g) for r in rows]
+
+        def best(f) -> float:
+            for x in xs:
+                f(x)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(n):
+                    for x in xs:
+                        f(x)
+                times.append(time.perf_counter() - t)
+            return min(times)
+        return best(packed) < 0.9 * best(plain)
+
+
+def _pack_linears(module: torch.nn.Module, dtype: torch.dtype = torch.float32, choose: bool = False) -> int:
+    """Swap the plain linears of `module` for packed ones: each where packing_pays for its shape (choose), or every
+    one. Returns how many it packed."""
+    packed = 0
     for mod in list(module.modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is _Linear:
+            if type(child) is _Linear and (not choose or packing_pays(*child.wt.shape[::-1], dtype)):
                 setattr(mod, name, PackedLinear(child, dtype))
+                packed += 1
+    return packed
 
 
 class Llama(torch.nn.Module):
@@ -338,18 +377,21 @@ class Llama(torch.nn.Module):
         self.dtype = self.norm.dtype
         return out
 
-    def pack_for_cpu(self) -> bool:
-        """Swap every plain linear (and the head) for a PackedLinear: faster multi-row products on CPU,
-        same results to float32 rounding. Only for a float32 model on CPU whose torch has the packed kernel
-        (True when it packed); a tensor-parallel rank packs its own slices. After it the model stays on CPU and
-        a tied embedding keeps its own dense copy (the head's packed weight is opaque): that costs one more
-        vocab x hidden matrix of memory."""
+    def pack_for_cpu(self, choose: bool = False) -> bool:
+        """Swap plain linears (the head included) for PackedLinears: faster multi-row products on CPU (a tree
+        verify), same results to float32 rounding. choose: only those whose shape packing_pays for on this machine
+        (else every one, what engines do: on an Intel Xeon with AMX choosing made verifier-only decode 24% faster
+        and speculation with the feature draft 5% slower). Only for a float32 model on CPU whose torch has the packed kernel
+        (True when it packed any); a tensor-parallel rank packs its own slices. After it the model stays on CPU and,
+        when the head was packed, a tied embedding keeps its own dense copy (the head's packed weight is opaque):
+        that costs one more vocab x hidden matrix of memory."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
-        if self.embedding is None:
-            self.embedding = self.head.weight.contiguous()
-        _pack_linears(self)
-        return True
+        dense = self.head.weight.contiguous() if self.embedding is None else None
+        n = _pack_linears(self, choose=choose)
+        if dense is not None and type(self.head) is PackedLinear:
+            self.embedding = dense
+        return n > 0
 
     @property
     def w(self) -> dict[str, torch.Tensor]:
@@ -488,17 +530,17 @@ class FeatureDraft(torch.nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].attn_norm.device
 
-    def pack_for_cpu(self, bf16: Optional[bool] = None) -> bool:
+    def pack_for_cpu(self, bf16: Optional[bool] = None, choose: bool = False) -> bool:
         """As Llama.pack_for_cpu, for the draft's own linears (the head is the verifier's). bf16 (default: where
         the CPU multiplies bfloat16 natively) packs them in bfloat16: a draft round reads half the bytes (on
         SmolLM2 at 2 threads its forwards took 4.5 -> 4.0 ms a step, tau unchanged); the draft only proposes,
-        so the output stays the verifier's."""
+        so the output stays the verifier's. choose: as Llama.pack_for_cpu (against the plain float32 layout)."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
         if bf16 is None:
             bf16 = cpu_has_bf16_dot()
-        _pack_linears(self, torch.bfloat16 if bf16 and cpu_packing_works(torch.bfloat16) else torch.float32)
-        return True
+        return _pack_linears(self, torch.bfloat16 if bf16 and cpu_packing_works(torch.bfloat16) else torch.float32,
+                             choose) > 0
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
