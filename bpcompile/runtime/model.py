@@ -381,10 +381,10 @@ class Llama(torch.nn.Module):
         """Swap plain linears (the head included) for PackedLinears: faster multi-row products on CPU (a tree
         verify), same results to float32 rounding. choose: only those whose shape packing_pays for on this machine
         (else every one, what engines do: on an Intel Xeon with AMX choosing made verifier-only decode 24% faster
-        and speculation with the feature draft 5% slower). Only for a float32 model on CPU whose torch has the packed kernel
-        (True when it packed any); a tensor-parallel rank packs its own slices. After it the model stays on CPU and,
-        when the head was packed, a tied embedding keeps its own dense copy (the head's packed weight is opaque):
-        that costs one more vocab x hidden matrix of memory."""
+        and speculation with the feature draft 5% slower). Only for a float32 model on CPU whose torch has the
+        packed kernel (True when it packed any); a tensor-parallel rank packs its own slices. After it the model
+        stays on CPU and, when the head was packed, a tied embedding keeps its own dense copy (the head's packed
+        weight is opaque): that costs one more vocab x hidden matrix of memory."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
         dense = self.head.weight.contiguous() if self.embedding is None else None
