@@ -483,3 +483,13 @@ def test_allocated_compression_counts_tables_once_per_pool_and_windows_per_seque
     assert allocated_compression(plan, cfg, 256, 6, sequences=8) < allocated_compression(int4, cfg, 256, 6, sequences=8)
     assert gain(plan) > gain(int4) * 1.05  # the D x D tables, once per pool
     assert gain(windowed) == pytest.approx(gain(int4), rel=0.02)  # a window ring per sequence: no gain of its own
+    # what the stores the runtime would allocate for that pool hold (3 sequences of 40 tokens + a 6-token tree)
+    from bpcompile.runtime.kvcache import make_kv_store
+    from bpcompile.runtime.paged_kv import RecentKV, cache_pages
+
+    pages = cache_pages(3, 40, 6, 4)
+    for p in (plan, windowed):
+        store = make_kv_store(p, cfg, pages, 4)
+        ours = store.nbytes() + (RecentKV(store, 3, 0, p.recent_window, 6, "cpu").nbytes() if p.has_exact else 0)
+        fp16 = FloatKVStore(2, 2, 16, pages, 4, dtype=torch.float16).nbytes()
+        assert allocated_compression(p, cfg, 40, 6, page_size=4, sequences=3) == pytest.approx(fp16 / ours, rel=1e-12)

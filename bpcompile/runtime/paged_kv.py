@@ -418,9 +418,13 @@ def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahea
     bases) are counted once per pool, so the figure at one sequence is the most conservative."""
     c = model_cfg
     pages = cache_pages(sequences, seq_len, lookahead, page_size)
-    fp16 = FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, pages, page_size, dtype=torch.float16)
-    store = make_kv_store(plan, c, pages, page_size)
-    ours = store.nbytes()
-    if plan.has_exact:
-        ours += RecentKV(store, sequences, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
-    return fp16.nbytes() / ours
+
+    def at(make) -> int:  # a store's bytes are affine in its pages (pools and positions per page, tables per
+        n1, n2 = make(1).nbytes(), make(2).nbytes()  # engine): two small ones give the pool's without allocating
+        return n1 + (n2 - n1) * (pages - 1)  # it (an engine's pool can be tens of GB)
+    fp16 = at(lambda n: FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, n, page_size, dtype=torch.float16))
+    ours = at(lambda n: make_kv_store(plan, c, n, page_size))
+    if plan.has_exact:  # one FP16 row per sequence
+        one = make_kv_store(plan, c, 1, page_size)
+        ours += sequences * RecentKV(one, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
+    return fp16 / ours
