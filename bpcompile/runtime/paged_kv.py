@@ -416,15 +416,15 @@ def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahea
     tokens with lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact
     copies). The runtime allocates one pool for an engine's max_batch_size sequences; per-engine tables (the KLT
     bases) are counted once per pool, so the figure at one sequence is the most conservative."""
+    # A store's bytes are affine in its pages (pools and positions per page, tables per engine), and the exact
+    # copies are one row per sequence: one- and two-page stores give the pool's bytes without allocating it (an
+    # engine's pool can be tens of GB).
     c = model_cfg
     pages = cache_pages(sequences, seq_len, lookahead, page_size)
-
-    def at(make) -> int:  # a store's bytes are affine in its pages (pools and positions per page, tables per
-        n1, n2 = make(1).nbytes(), make(2).nbytes()  # engine): two small ones give the pool's without allocating
-        return n1 + (n2 - n1) * (pages - 1)  # it (an engine's pool can be tens of GB)
-    fp16 = at(lambda n: FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, n, page_size, dtype=torch.float16))
-    ours = at(lambda n: make_kv_store(plan, c, n, page_size))
-    if plan.has_exact:  # one FP16 row per sequence
-        one = make_kv_store(plan, c, 1, page_size)
-        ours += sequences * RecentKV(one, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
-    return fp16 / ours
+    f1, f2 = (FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, n, page_size, dtype=torch.float16).nbytes()
+              for n in (1, 2))
+    s1, s2 = (make_kv_store(plan, c, n, page_size) for n in (1, 2))
+    ours = s1.nbytes() + (s2.nbytes() - s1.nbytes()) * (pages - 1)
+    if plan.has_exact:
+        ours += sequences * RecentKV(s1, 1, plan.sink_tokens, plan.recent_window, lookahead, "cpu").nbytes()
+    return (f1 + (f2 - f1) * (pages - 1)) / ours
