@@ -228,6 +228,30 @@ def test_store_read_is_fake_quantize_per_unit():
         assert all(torch.equal(t[0, :, s], t[0, :, o]) for t in store.pools() for s, o in zip(slots[:1], other[:1]))
 
 
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_all_layer_writes_equal_layer_by_layer_writes(rotation):
+    """write_layers / write_read_layers (one encode per precision for a whole forward) store the same bytes and
+    return the same values as write / write_read layer by layer; a float store too."""
+    from dataclasses import replace
+    g = torch.Generator().manual_seed(6)
+    L = TINY.num_layers
+    plan = replace(mixed_plan(), rotation=rotation, k_mean=torch.randn(L, 2, 64, generator=g))
+    slots = torch.tensor([3, 17, 9, 30])
+    k, v = torch.randn(L, 4, 2, 64, generator=g) * 3, torch.randn(L, 4, 2, 64, generator=g)
+    one, every, decoded = (make_kv_store(plan, TINY, num_pages=4, page_size=8) for _ in range(3))
+    per_layer = [one.write_read(layer, slots, k[layer], v[layer]) for layer in range(L)]
+    every.write_layers(slots, k, v)
+    kd, vd = decoded.write_read_layers(slots, k, v)
+    for a, b, c in zip(one.pools(), every.pools(), decoded.pools()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(kd, torch.stack([x for x, _ in per_layer])) and torch.equal(vd, torch.stack([y for _, y in per_layer]))
+    f_one, f_every = (FloatKVStore(L, 2, 64, num_pages=4, page_size=8, dtype=torch.float16) for _ in range(2))
+    for layer in range(L):
+        f_one.write(layer, slots, k[layer], v[layer])
+    f_every.write_layers(slots, k, v)
+    assert torch.equal(f_one.k, f_every.k) and torch.equal(f_one.v, f_every.v)
+
+
 def test_move_is_an_exact_copy():
     """Compaction after tree verification: moved bytes == bytes appended in order at the destination."""
     plan = mixed_plan()

@@ -283,7 +283,7 @@ def test_dense_view_of_a_quantized_cache_is_what_the_store_holds(pair):
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("sink,window", [(1, 3), (2, 5)])
+@pytest.mark.parametrize("sink,window", [(1, 3), (2, 5), (0, 8)])
 def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
     """A plan with exact entries (an FP16 sink and recent window beside INT4 codes): the runtime's logits, verifier-only
     and through dynamic trees (ring writes, tree masks, moves of accepted entries, prompts longer than the ring), equal
@@ -303,6 +303,9 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
         gen = Generator(v, d if tree else None, tree, max_batch_size=3, page_size=4, backoff=False,
                         kv_store_factory=kv_store_factory(plan))
         assert gen.vkv.recent is not None and gen.vkv.nbytes() == gen.vkv.store.nbytes() + gen.vkv.recent.nbytes()
+        batched = []  # forwards whose writes the store took all layers at once (window >= the step's tokens)
+        store = gen.vkv.store
+        store.write_read_layers = lambda *a, f=store.write_read_layers: batched.append(1) or f(*a)
         params = SamplingParams(max_tokens=12, generation_logits=True)
         ids = {gen.add_request(p, params): p for p in prompts}
         toks, rows = {r: [] for r in ids}, {r: [] for r in ids}
@@ -316,6 +319,8 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
             kv = _prefix_kv(v, prompt)
             assert torch.allclose(got, decode_logits(v, kv, toks[rid][:-1], plan), atol=1e-3)
             assert (got - decode_logits(v, kv, toks[rid][:-1], base)).abs().max() > 0.1
+        # prefills always batch (at most one per prompt); steps do where the window holds their tokens (1 or up to 6)
+        assert len(batched) > len(prompts) if tree is None or window >= 6 else len(batched) <= len(prompts)
 
 
 def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):

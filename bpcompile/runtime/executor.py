@@ -75,7 +75,8 @@ class Executor:
             kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, prompt_pos)
             return causal_attend(q, k, v)
 
-        return self._model(tok, None, attend, feats, last_only=last_only)
+        with kv.batched_writes(own_exact=True):
+            return self._model(tok, None, attend, feats, last_only=last_only)
 
     def _model(self, tok, pos, attend, feats, last_only: bool = False, rows=None) -> torch.Tensor:
         """The model's logits; its final hidden states go to self.hidden where it reads or feeds features."""
@@ -197,7 +198,9 @@ class Executor:
                          positions=flat_pos)
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
-        return self._model(tok, pos, attend, feats, rows=logit_rows)
+        # a step's queries read its own entries' exact copies when the plan's window holds the whole step
+        with kv.batched_writes(own_exact=kv.recent is not None and kv.recent.window >= T):
+            return self._model(tok, pos, attend, feats, rows=logit_rows)
 
     def move(self, moves: "Moves") -> None:
         """Apply the collected KV moves (accepted tree entries to their committed slots)."""

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -75,6 +76,11 @@ class DenseKV:
         """k, v [N, KV, D] at (row, logical index) pairs rows[N], idx[N]."""
         self.k[layer, rows, :, idx] = k.to(self.k.dtype)
         self.v[layer, rows, :, idx] = v.to(self.v.dtype)
+
+    def write_layers(self, rows: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """write() of every layer: k, v [L, N, KV, D] (indexing [:, rows, :, idx] puts the N pairs first)."""
+        self.k[:, rows, :, idx] = k.transpose(0, 1).to(self.k.dtype)
+        self.v[:, rows, :, idx] = v.transpose(0, 1).to(self.v.dtype)
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.k[:, rows, :, dst] = self.k[:, rows, :, src].clone()
@@ -173,6 +179,7 @@ class PagedKV:
         self.kern = kernels_for(store, torch.device(device))
         self.dense = dense if self.kern is None else None
         self.rows: dict[str, int] = {}  # dense row per sequence
+        self._pending: Optional[list] = None  # inside batched_writes: each layer's write, for the end of the forward
 
     @property
     def capacity(self) -> int:
@@ -211,11 +218,59 @@ class PagedKV:
         return torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in rids],
                             dtype=torch.int32, device=device)
 
+    @contextlib.contextmanager
+    def batched_writes(self, own_exact: bool):
+        """Within it (one forward), `write` keeps each layer's K/V, and the store gets every layer's at once when
+        the forward ends (`KVStore.write_layers`: one quantize for the step, not one per layer; on CPU at decode
+        the per-layer writes of a quantized store were a fifth of the step). Only with a dense view (the store is
+        not read during the forward); a float store's dense view is still written layer by layer. A quantized
+        store's dense view is filled at the end too, so only where the forward never reads its own entries from
+        it (own_exact: a prompt attends to its raw K/V; a step's queries read their own entries' exact copies
+        when the plan's recent window holds the whole step); else writes go through at once. An exception
+        inside drops what was kept."""
+        if self.dense is None or (not own_exact and not self.dense.plain):
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+            pending, self._pending = self._pending, None
+            self._write_pending(pending)
+        finally:
+            self._pending = None
+
+    def _write_pending(self, pending: list) -> None:
+        if not pending:
+            return
+        slots, dense_at, positions = pending[0][3:]
+        if [p[0] for p in pending] != list(range(self.store.num_layers)):  # not one whole forward: layer by layer
+            for layer, k, v, slots, dense_at, positions in pending:
+                self._write_now(layer, slots, k, v, dense_at, positions, recent=False)
+            return
+        k, v = torch.stack([p[1] for p in pending]), torch.stack([p[2] for p in pending])
+        if self.dense.plain:
+            self.store.write_layers(slots, k, v, positions)
+        else:
+            self.dense.write_layers(*dense_at, *self.store.write_read_layers(slots, k, v, positions))
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
               positions: Optional[torch.Tensor] = None) -> None:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
-        view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N])."""
+        view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N]).
+        Inside `batched_writes` the store's part waits for the end of the forward."""
+        if self._pending is not None:
+            self._pending.append((layer, k, v, slots, dense_at, positions))
+            if self.dense.plain:  # what the store will hold, now: this forward's attention reads it
+                self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
+            if self.recent is not None:
+                self.recent.write(layer, *dense_at, k, v)
+            return
+        self._write_now(layer, slots, k, v, dense_at, positions)
+
+    def _write_now(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   dense_at: Optional[tuple[torch.Tensor, torch.Tensor]], positions: Optional[torch.Tensor],
+                   recent: bool = True) -> None:
         if self.dense is None:
             write_kv(self.store, layer, slots, k, v, self.kern, positions)
         elif self.dense.plain:
@@ -223,7 +278,7 @@ class PagedKV:
             self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
         else:  # the store decodes what it just wrote (what a read of those slots would return)
             self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v, positions))
-        if self.recent is not None:
+        if recent and self.recent is not None:
             self.recent.write(layer, *dense_at, k, v)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, dense_at: Optional[tuple] = None) -> None:
