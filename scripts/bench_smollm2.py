@@ -101,10 +101,9 @@ def main() -> None:
     ap.add_argument("--kv", action="append", default=[], metavar="KEY=VALUE",
                     help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
                          "key_transform=klt); the rows still say 'default KV plan'")
-    ap.add_argument("--weights", choices=("packed", "auto", "plain"), default="packed",
-                    help="bpcompile's weight layout: packed = every linear oneDNN-packed (as engines run on CPU), "
-                         "auto = each where packing is faster on this machine (Llama.pack_for_cpu(choose=True)), "
-                         "plain = none")
+    ap.add_argument("--weights", choices=("both", "packed", "plain"), default="both",
+                    help="bpcompile's weight layout: both = every linear oneDNN-packed for multi-row products and "
+                         "plain for single rows (as engines run on CPU), packed = packed only, plain = none packed")
     ap.add_argument("--plain-weights", dest="weights", action="store_const", const="plain",
                     help="the same as --weights plain")
     a = ap.parse_args()
@@ -139,10 +138,9 @@ def main() -> None:
     print(f"calibrated the default plan{' with ' + ', '.join(a.kv) if a.kv else ''} in {time.perf_counter() - t:.0f}s "
           f"({plan.compression_vs_fp16(2048, 6):.2f}x at 2048 tokens)",
           file=sys.stderr)
-    choose = a.weights == "auto"
     if a.weights != "plain":  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
         for m in (v, d, rnd):
-            m.pack_for_cpu(choose=choose)
+            m.pack_for_cpu(keep_plain=a.weights == "both")
     fd = fd_rnd = None
     if Path(a.feature_draft, "config.json").is_file():
         fd = FeatureDraft.from_dir(a.feature_draft, v)  # shares v's (packed) head and embedding
@@ -151,8 +149,8 @@ def main() -> None:
             if b.is_floating_point() and "norm" not in name and "sub_head" not in name:
                 torch.nn.init.normal_(b, std=0.02)
         if a.weights != "plain":
-            fd.pack_for_cpu(choose=choose)
-            fd_rnd.pack_for_cpu(choose=choose)
+            fd.pack_for_cpu()
+            fd_rnd.pack_for_cpu()
     fp16 = float_store_factory(torch.float16)
     rows = {
         "hf": ("transformers generate (fp32 cache)", hf(hv)),
@@ -224,10 +222,8 @@ def main() -> None:
     n_tok = a.max_tokens * len(ps)
     packed = getattr(fd.layers[0].qkv, "packed", None) if fd is not None else None
     draft_note = "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
-    n_packed = sum(type(m).__name__ == "PackedLinear" for m in v.modules())
-    n_lin = n_packed + sum(type(m).__name__ == "_Linear" for m in v.modules())
     layout = {"plain": "plain layout", "packed": "oneDNN-packed",
-              "auto": f"oneDNN-packed where faster: {n_packed} of the verifier's {n_lin} linears"}[a.weights]
+              "both": "oneDNN-packed for several rows, plain for one"}[a.weights]
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
              f"weights ({layout} for bpcompile{draft_note}), "
              f"{a.threads} threads, "

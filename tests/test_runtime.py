@@ -58,32 +58,36 @@ def reference(pair_, prompts, max_tokens):
 def test_packed_weights_compute_what_plain_ones_do(pair, tied):
     """oneDNN-packed weights (how engines run on CPU): every linear and the head swapped, logits equal the
     plain layout's to float32 rounding for 1-token decode and multi-row (tree-sized) batches, the weights read
-    back unchanged, the model still moves; a non-float32 model is left as it is."""
+    back unchanged, the model still moves; a non-float32 model is left as it is. Keeping the plain layout too
+    (the default): one row is the plain product exactly, several rows the packed one exactly, and a tied embedding
+    reads the head's plain copy (no third matrix)."""
+    from bpcompile.runtime.model import PackedLinear
+
     w = dict(pair[0].w)
     w["transformer.layers.0.attention.qkv.bias"] = torch.randn(w["transformer.layers.0.attention.qkv.weight"].shape[0])
     if tied:
         w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
-    plain, packed = Llama(CFG, w), Llama(CFG, w)
-    assert plain.tied == tied and packed.pack_for_cpu(choose=False)
-    assert {type(m).__name__ for m in packed.modules()} & {"_Linear"} == set()
+    plain, packed, both = Llama(CFG, w), Llama(CFG, w), Llama(CFG, w)
+    assert plain.tied == tied and packed.pack_for_cpu(keep_plain=False) and both.pack_for_cpu()
+    for m in (packed, both):
+        assert {type(x).__name__ for x in m.modules()} & {"_Linear"} == set()
+    assert packed.head.wt is None and both.head.wt is not None
+    if tied:
+        assert both.embed.data_ptr() == both.head.wt.data_ptr() and packed.embedding.is_contiguous()
     packed = packed.to("cpu")
     for shape in [(1, 1), (1, 6), (3, 12)]:
         toks = torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(sum(shape)))
-        a, b = plain(toks), packed(toks)
+        a, b, c = plain(toks), packed(toks), both(toks)
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (shape, (a - b).abs().max())
-    assert plain.w.keys() == packed.w.keys()
-    assert all(torch.equal(plain.w[k], packed.w[k]) for k in plain.w)
-    assert torch.equal(plain.embed, packed.embed)
+        assert torch.equal(c, a if shape == (1, 1) else b)
+    x = torch.randn(1, 1, CFG.hidden_size)
+    lin = both.layers[1].gate_up
+    assert type(lin) is PackedLinear and torch.equal(lin(x), x @ plain.layers[1].gate_up.wt)
+    for m in (packed, both):
+        assert plain.w.keys() == m.w.keys()
+        assert all(torch.equal(plain.w[k], m.w[k]) for k in plain.w)
+        assert torch.equal(plain.embed, m.embed)
     assert not Llama(CFG, w, dtype=torch.bfloat16).pack_for_cpu()
-    # choose=True packs exactly the shapes whose timing on this machine favours the packed layout
-    from bpcompile.runtime.model import PackedLinear, _Linear, packing_pays
-
-    chosen = Llama(CFG, w)
-    chosen.pack_for_cpu(choose=True)
-    lins = [m for m in chosen.modules() if type(m) in (PackedLinear, _Linear)]
-    assert len(lins) == 4 * CFG.num_layers + 1
-    assert all((type(m) is PackedLinear) == packing_pays(*m.weight.shape, torch.float32) for m in lins)
-    assert torch.allclose(chosen(torch.tensor([[1, 2, 3]])), plain(torch.tensor([[1, 2, 3]])), rtol=1e-4, atol=1e-4)
     # the served path: greedy decode through the paged cache with trees is identical to plain greedy
     gen = Generator(packed, noisy_copy(plain, 0.3, seed=1), TreeSpec("dynamic", nodes=5), page_size=4)
     got = [t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))]
@@ -191,7 +195,7 @@ def test_feature_draft_speculation_is_identical(pair, kind):
         feature_draft(pair[0], pair[1].w, fc, subset=[1, 1, 2])
     if cpu_packing_works(torch.bfloat16):  # a draft packed in bfloat16: logits to its rounding, output the verifier's
         low = feature_draft(pair[0], pair[1].w, fc, subset=list(range(1, CFG.vocab_size, 2)))
-        assert low.pack_for_cpu(bf16=True, choose=False) and low.layers[0].qkv.packed.dtype == torch.bfloat16
+        assert low.pack_for_cpu(bf16=True) and low.layers[0].qkv.packed.dtype == torch.bfloat16
         lo, _ = low(toks, pos, feats=f)
         assert lo.dtype == torch.float32 and 0 < (lo - logits).abs().max() < 0.05 * logits.abs().max()
         gen = Generator(pair[0], low, TREES[kind], max_batch_size=4, page_size=4, backoff=False)

@@ -253,7 +253,9 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
                                       return_generation_logits=np.array([[True]]))
     c, g = results[0].as_numpy("context_logits"), results[0].as_numpy("generation_logits")
     assert c.shape == (1, len(prompts[1]), ctx.shape[1]) and g.shape == (1, 1, 8, ctx.shape[1])
-    assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(g[0, 0], np.concatenate(rows), atol=1e-4)
+    # to float32 rounding: a step may multiply a token's row alone (the plain layout on CPU) or with a tree's rows
+    # (the packed one), and which depends on the server's back-off state
+    assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(g[0, 0], np.concatenate(rows), rtol=1e-4, atol=1e-3)
     # penalties and min_tokens: what the runtime does with them (tests/test_runtime.py checks the runtime's
     # repetition penalty against transformers' generate)
     pen = dict(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1)

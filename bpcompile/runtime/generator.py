@@ -179,7 +179,7 @@ class Generator:
                     raise UserError(f"{d}: its feature draft runs at tp 1", key="tp")
                 draft = FeatureDraft.from_dir(d / "draft", verifier) if feature else load("draft")
             if pack and executor == "torch" and torch.device(device).type == "cpu":
-                for m in (verifier, draft):  # oneDNN-packed weights: tree verifies at near one-token cost
+                for m in (verifier, draft):  # packed for tree verifies and prompts, plain kept for single rows
                     if m is not None:
                         m.pack_for_cpu()
             gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,

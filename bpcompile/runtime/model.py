@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -108,11 +107,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalize in float32, cast back, then scale (torch's fused op, same values)."""
+    """HF LlamaRMSNorm: normalize in float32, cast back, then scale. Computed as the layer norm of [x, -x], whose
+    mean is 0 and variance mean(x^2), so it divides x by exactly the RMS (to float32 rounding): on CPU that is one
+    fused kernel, where torch's rms_norm runs ~6 small ops (60 norms a SmolLM2 decode step: 0.7 ms of 32 at 2
+    threads)."""
+    xf = x.float()
     if torch.jit.is_tracing():  # ONNX export: the same arithmetic in ops every opset has
-        xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    n = x.shape[-1]
+    return w * F.layer_norm(torch.cat((xf, -xf), -1), (2 * n,), eps=eps)[..., :n].to(x.dtype)
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -144,21 +147,25 @@ class _Linear(torch.nn.Module):
 
 
 class PackedLinear(torch.nn.Module):
-    """A `_Linear` whose weight oneDNN has reordered into its blocked layout (CPU, float32), multiplied by
-    oneDNN's own kernel. Why: a tree verify multiplies 2-12 rows at a time, and for those PyTorch's BLAS
-    path over a plain layout was several times slower than for one row (on an AMD EPYC VM at 2 threads: the
-    576 x 3072 MLP matrix 1.1 ms for 6 rows against 0.17 ms for one; the 49152-row head 29 ms against
-    6 ms); the packed kernel took 0.24 ms and 9 ms, and one row was no slower. Not everywhere: packing_pays
-    times both per shape. The packed tensor is opaque:
-    `weight` returns a dense copy, so editing it does not edit the model.
+    """A `_Linear` whose weight oneDNN has reordered into its blocked layout (CPU), multiplied by oneDNN's own
+    kernel. Why: a tree verify multiplies 2-12 rows at a time, and for those PyTorch's BLAS path over a plain
+    layout was slow (on an AMD EPYC VM at 2 threads: the 576 x 3072 MLP matrix 1.1 ms for 6 rows against 0.17 ms
+    for one; the 49152-row head 29 ms against 6 ms; packed 0.24 ms and 9 ms; on an Intel Xeon with AMX all of
+    SmolLM2's matrices, as a decode step streams them, 28 ms packed against 39 ms plain for 6 rows).
+
+    keep_plain (float32): also keep the plain layout and multiply a single row with it, as `_Linear` does: for one
+    row the packed kernel was slower on the Intel Xeon (37 ms against 27 ms for a SmolLM2 forward), no faster on
+    the AMD EPYC. It costs a second copy of the weight. The packed tensor is opaque: `weight` returns a dense copy,
+    so editing it does not edit the model.
 
     dtype bfloat16 stores the weight in bfloat16 and multiplies bfloat16-rounded inputs, returning float32 (the
     bias is added in float32): half the bytes to read, for a draft, whose rounding changes only what it proposes."""
 
-    def __init__(self, lin: _Linear, dtype: torch.dtype = torch.float32):
+    def __init__(self, lin: _Linear, dtype: torch.dtype = torch.float32, keep_plain: bool = False):
         super().__init__()
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(lin.weight.to(dtype).contiguous(), None))
         self.register_buffer("bias", lin.bias)
+        self.register_buffer("wt", lin.wt if keep_plain and dtype == torch.float32 else None)
         self.low = dtype != torch.float32
 
     @property
@@ -166,6 +173,9 @@ class PackedLinear(torch.nn.Module):
         return self.packed.to_dense().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wt is not None and x.numel() == x.shape[-1]:  # one row: the plain product
+            y = x @ self.wt
+            return y if self.bias is None else y + self.bias
         if not self.low:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype).contiguous(), self.packed, None, "none", [],
@@ -284,46 +294,13 @@ class Block(torch.nn.Module):
         return h + self.down(F.silu(gate) * up)
 
 
-PACK_ROWS = (1, 6)  # rows a decode step multiplies at batch 1: one token, and a tree verify (a dynamic tree of 5 + 1)
-
-
-@functools.cache
-def packing_pays(out_features: int, in_features: int, dtype: torch.dtype = torch.float32, rows=PACK_ROWS) -> bool:
-    """Whether oneDNN's packed layout (in `dtype`) multiplies an [out, in] weight faster than the plain float32
-    layout on this machine, summed over products of `rows` rows: timed once per shape and process (best of 5).
-    Why timed: on an AMD EPYC VM the packed kernel was several times faster for 2-12 rows and no slower for one; on
-    an Intel Xeon with AMX the plain layout was faster for most of SmolLM2's matrices at both (its 49152-row head
-    at 6 rows the exception). Packed only when clearly faster (by 10%): the two compute the same products to
-    float32 rounding, and a near tie keeps the plain layout."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=g)
-    plain, packed = _Linear(w), PackedLinear(_Linear(w), dtype)
-    n = max(3, min(200, int(2e7 // (out_features * in_features))))
-    with torch.inference_mode():
-        xs = [torch.randn(r, in_features, generator=g) for r in rows]
-
-        def best(f) -> float:
-            for x in xs:
-                f(x)
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                for _ in range(n):
-                    for x in xs:
-                        f(x)
-                times.append(time.perf_counter() - t)
-            return min(times)
-        return best(packed) < 0.9 * best(plain)
-
-
-def _pack_linears(module: torch.nn.Module, dtype: torch.dtype = torch.float32, choose: bool = False) -> int:
-    """Swap the plain linears of `module` for packed ones: each where packing_pays for its shape (choose), or every
-    one. Returns how many it packed."""
+def _pack_linears(module: torch.nn.Module, dtype: torch.dtype = torch.float32, keep_plain: bool = False) -> int:
+    """Swap every plain linear of `module` for a packed one (PackedLinear's keep_plain). Returns how many."""
     packed = 0
     for mod in list(module.modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is _Linear and (not choose or packing_pays(*child.wt.shape[::-1], dtype)):
-                setattr(mod, name, PackedLinear(child, dtype))
+            if type(child) is _Linear:
+                setattr(mod, name, PackedLinear(child, dtype, keep_plain))
                 packed += 1
     return packed
 
@@ -377,20 +354,19 @@ class Llama(torch.nn.Module):
         self.dtype = self.norm.dtype
         return out
 
-    def pack_for_cpu(self, choose: bool = False) -> bool:
+    def pack_for_cpu(self, keep_plain: bool = True) -> bool:
         """Swap plain linears (the head included) for PackedLinears: faster multi-row products on CPU (a tree
-        verify), same results to float32 rounding. choose: only those whose shape packing_pays for on this machine
-        (else every one, what engines do: on an Intel Xeon with AMX choosing made verifier-only decode 24% faster
-        and speculation with the feature draft 5% slower). Only for a float32 model on CPU whose torch has the
-        packed kernel (True when it packed any); a tensor-parallel rank packs its own slices. After it the model
-        stays on CPU and, when the head was packed, a tied embedding keeps its own dense copy (the head's packed
-        weight is opaque): that costs one more vocab x hidden matrix of memory."""
+        verify), same results to float32 rounding. keep_plain (default): single rows (a decode step without a tree)
+        keep the plain layout, at the cost of a second copy of the weights (PackedLinear says why). Only for a
+        float32 model on CPU whose torch has the packed kernel (True when it packed); a tensor-parallel rank packs
+        its own slices. After it the model stays on CPU; a tied embedding reads the head's plain copy, or without
+        one keeps its own dense copy (the packed weight is opaque): one more vocab x hidden matrix of memory."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
         dense = self.head.weight.contiguous() if self.embedding is None else None
-        n = _pack_linears(self, choose=choose)
+        n = _pack_linears(self, keep_plain=keep_plain)
         if dense is not None and type(self.head) is PackedLinear:
-            self.embedding = dense
+            self.embedding = self.head.wt.t() if self.head.wt is not None else dense
         return n > 0
 
     @property
@@ -530,17 +506,18 @@ class FeatureDraft(torch.nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].attn_norm.device
 
-    def pack_for_cpu(self, bf16: Optional[bool] = None, choose: bool = False) -> bool:
+    def pack_for_cpu(self, bf16: Optional[bool] = None) -> bool:
         """As Llama.pack_for_cpu, for the draft's own linears (the head is the verifier's). bf16 (default: where
         the CPU multiplies bfloat16 natively) packs them in bfloat16: a draft round reads half the bytes (on
         SmolLM2 at 2 threads its forwards took 4.5 -> 4.0 ms a step, tau unchanged); the draft only proposes,
-        so the output stays the verifier's. choose: as Llama.pack_for_cpu (against the plain float32 layout)."""
+        so the output stays the verifier's. Without bf16 a float32 draft keeps its plain layout for single rows
+        too, as the verifier does."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
         if bf16 is None:
             bf16 = cpu_has_bf16_dot()
-        return _pack_linears(self, torch.bfloat16 if bf16 and cpu_packing_works(torch.bfloat16) else torch.float32,
-                             choose) > 0
+        low = bf16 and cpu_packing_works(torch.bfloat16)
+        return _pack_linears(self, torch.bfloat16 if low else torch.float32, keep_plain=not low) > 0
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
