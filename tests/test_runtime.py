@@ -72,6 +72,11 @@ def test_packed_weights_compute_what_plain_ones_do(pair, tied):
     for m in (packed, both):
         assert {type(x).__name__ for x in m.modules()} & {"_Linear"} == set()
     assert packed.head.wt is None and both.head.wt is not None
+    # the plain copies sit in one buffer, in the order a forward reads them
+    plains = [m.wt for m in both.modules() if type(m) is PackedLinear]
+    assert len({t.untyped_storage().data_ptr() for t in plains}) == 1
+    assert all(a.data_ptr() + a.numel() * 4 <= b.data_ptr() for a, b in zip(plains, plains[1:]))
+    assert plains[0] is both.layers[0].qkv.wt and plains[-1] is both.head.wt
     if tied:
         assert both.embed.data_ptr() == both.head.wt.data_ptr() and packed.embedding.is_contiguous()
     packed = packed.to("cpu")

@@ -305,6 +305,22 @@ def _pack_linears(module: torch.nn.Module, dtype: torch.dtype = torch.float32, k
     return packed
 
 
+def _one_buffer(lins: list) -> None:
+    """Move the plain copies (`wt`) of `lins`, in the order a forward reads them, into one buffer, each start 4 KiB
+    aligned. Why: a one-token decode step streams every weight once, and read as one run the CPU's prefetchers
+    cross from one matrix to the next (a SmolLM2 decode step 2.5% faster on an Intel Xeon at 2 threads)."""
+    if not lins:
+        return
+    t = lins[0].wt
+    align = 4096 // t.element_size()
+    sizes = [-(-lin.wt.numel() // align) * align for lin in lins]
+    flat = torch.empty(sum(sizes) + align, dtype=t.dtype, device=t.device)
+    off = (-flat.data_ptr() // t.element_size()) % align
+    for lin, n in zip(lins, sizes):
+        lin.wt = flat[off:off + lin.wt.numel()].view(lin.wt.shape).copy_(lin.wt)
+        off += n
+
+
 class Llama(torch.nn.Module):
     """A module tree (embedding, decoder blocks, final norm, head) built from full (unsharded) weights under
     TensorRT-LLM tensor names. `w` gives them back under those names."""
@@ -357,15 +373,17 @@ class Llama(torch.nn.Module):
     def pack_for_cpu(self, keep_plain: bool = True) -> bool:
         """Swap plain linears (the head included) for PackedLinears: faster multi-row products on CPU (a tree
         verify), same results to float32 rounding. keep_plain (default): single rows (a decode step without a tree)
-        keep the plain layout, at the cost of a second copy of the weights (PackedLinear says why). Only for a
+        keep the plain layout, at the cost of a second copy of the weights (PackedLinear says why), laid out in one
+        buffer in the order a forward reads them (`_one_buffer`). Only for a
         float32 model on CPU whose torch has the packed kernel (True when it packed); a tensor-parallel rank packs
         its own slices. After it the model stays on CPU; a tied embedding reads the head's plain copy, or without
         one keeps its own dense copy (the packed weight is opaque): one more vocab x hidden matrix of memory."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
-        dense = self.head.weight.contiguous() if self.embedding is None else None
+        dense = self.head.weight.contiguous() if self.embedding is None and not keep_plain else None
         n = _pack_linears(self, keep_plain=keep_plain)
-        if dense is not None and type(self.head) is PackedLinear:
+        _one_buffer([m for m in self.modules() if type(m) is PackedLinear and m.wt is not None])
+        if self.tied and type(self.head) is PackedLinear:
             self.embedding = self.head.wt.t() if self.head.wt is not None else dense
         return n > 0
 
