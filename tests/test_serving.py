@@ -235,10 +235,11 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     # (greedy: the client's default top-k 1 makes every token's probability 1 under the distribution it samples)
     flag = {"return_log_probs": np.array([[True]]), "temperature": np.array([[0.0]], np.float32)}
     (got, lps, cum), = inflight_client_request(server.grpc_url, prompts[0], 16, stream=False, **flag)
-    assert got == w0 and len(lps) == 16 and np.allclose(lps, want, atol=1e-5)
+    # (to float32 rounding: see the logits below)
+    assert got == w0 and len(lps) == 16 and np.allclose(lps, want, atol=1e-4)
     assert abs(cum - sum(want)) < 1e-3
     parts = inflight_client_request(server.grpc_url, prompts[0], 16, stream=True, **flag)
-    assert np.allclose([x for _, p, _ in parts for x in p], want, atol=1e-5) and abs(parts[-1][2] - sum(want)) < 1e-3
+    assert np.allclose([x for _, p, _ in parts for x in p], want, atol=1e-4) and abs(parts[-1][2] - sum(want)) < 1e-3
     # return_context_logits / return_generation_logits: the verifier's logits over the prompt (first response) and
     # for each generated token, [batch, prompt, vocab] and [batch, beam, tokens, vocab]
     ref = Generator.from_engine(server.engines[1])
