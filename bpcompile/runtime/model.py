@@ -374,10 +374,10 @@ class Llama(torch.nn.Module):
         """Swap plain linears (the head included) for PackedLinears: faster multi-row products on CPU (a tree
         verify), same results to float32 rounding. keep_plain (default): single rows (a decode step without a tree)
         keep the plain layout, at the cost of a second copy of the weights (PackedLinear says why), laid out in one
-        buffer in the order a forward reads them (`_one_buffer`). Only for a
-        float32 model on CPU whose torch has the packed kernel (True when it packed); a tensor-parallel rank packs
-        its own slices. After it the model stays on CPU; a tied embedding reads the head's plain copy, or without
-        one keeps its own dense copy (the packed weight is opaque): one more vocab x hidden matrix of memory."""
+        buffer in the order a forward reads them (`_one_buffer`). Only for a float32 model on CPU whose torch has
+        the packed kernel (True when it packed); a tensor-parallel rank packs its own slices. After it the model
+        stays on CPU; a tied embedding reads the head's plain copy, or without one keeps its own dense copy (the
+        packed weight is opaque): one more vocab x hidden matrix of memory."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
         dense = self.head.weight.contiguous() if self.embedding is None and not keep_plain else None
