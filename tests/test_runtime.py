@@ -567,6 +567,14 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     assert type(gen.vkv.store).__name__ == "FloatKVStore"
     if cpu_packing_works():  # engines run on CPU with oneDNN-packed weights (see test_packed_weights_...)
         assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == "PackedLinear"
+        assert gen.verifier.head.wt is not None  # and the plain layout for single rows (runtime.cpu_weights: both)
+        conf = eng / "engine.json"
+        raw = json.loads(conf.read_text())
+        for layout, kind in (("packed", "PackedLinear"), ("plain", "_Linear"), ("both", "PackedLinear")):
+            conf.write_text(json.dumps(raw | {"runtime": raw["runtime"] | {"cpu_weights": layout}}))
+            g = Generator.from_engine(eng)
+            assert type(g.verifier.head).__name__ == type(g.draft.layers[0].qkv).__name__ == kind
+            assert (getattr(g.verifier.head, "wt", None) is None) == (layout == "packed")
     KVPlan.uniform("int8", 2, 2, 16, group_size=16).save(eng / "kv_plan")
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "QuantKVStore" and type(gen.dkv.store).__name__ == "FloatKVStore"

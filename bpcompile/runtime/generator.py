@@ -120,7 +120,8 @@ class Generator:
         tp: tensor-parallel size to run at: 1 merges the rank files into one process; the checkpoint's own tp
         runs one process per rank (runtime/tp.py; call `close()` to stop them). Default: the engine's
         parallel.tp when its pp is 1, else 1. pack: on CPU with the torch executor, run float32 models with
-        oneDNN-packed weights (`Llama.pack_for_cpu`; False keeps plain modules, e.g. for ONNX export).
+        oneDNN-packed weights as the engine's runtime.cpu_weights says (`Llama.pack_for_cpu`; False keeps plain
+        modules, e.g. for ONNX export).
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if not (d / "verifier" / "config.json").is_file():
@@ -178,10 +179,13 @@ class Generator:
                 if feature and tp > 1:
                     raise UserError(f"{d}: its feature draft runs at tp 1", key="tp")
                 draft = FeatureDraft.from_dir(d / "draft", verifier) if feature else load("draft")
-            if pack and executor == "torch" and torch.device(device).type == "cpu":
-                for m in (verifier, draft):  # packed for tree verifies and prompts, plain kept for single rows
-                    if m is not None:
-                        m.pack_for_cpu()
+            layout = cfg.runtime.cpu_weights
+            if pack and layout != "plain" and executor == "torch" and torch.device(device).type == "cpu":
+                verifier.pack_for_cpu(keep_plain=layout == "both")  # packed for trees and prompts, plain for a row
+                if isinstance(draft, FeatureDraft):
+                    draft.pack_for_cpu()  # bfloat16 where the CPU has it (a draft's rounding is its own)
+                elif draft is not None:
+                    draft.pack_for_cpu(keep_plain=layout == "both")
             gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                       page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
                       draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
