@@ -149,8 +149,8 @@ def main() -> None:
             if b.is_floating_point() and "norm" not in name and "sub_head" not in name:
                 torch.nn.init.normal_(b, std=0.02)
         if a.weights != "plain":
-            fd.pack_for_cpu()
-            fd_rnd.pack_for_cpu()
+            fd.pack_for_cpu(keep_plain=a.weights == "both")
+            fd_rnd.pack_for_cpu(keep_plain=a.weights == "both")
     fp16 = float_store_factory(torch.float16)
     rows = {
         "hf": ("transformers generate (fp32 cache)", hf(hv)),

@@ -181,11 +181,9 @@ class Generator:
                 draft = FeatureDraft.from_dir(d / "draft", verifier) if feature else load("draft")
             layout = cfg.runtime.cpu_weights
             if pack and layout != "plain" and executor == "torch" and torch.device(device).type == "cpu":
-                verifier.pack_for_cpu(keep_plain=layout == "both")  # packed for trees and prompts, plain for a row
-                if isinstance(draft, FeatureDraft):
-                    draft.pack_for_cpu()  # bfloat16 where the CPU has it (a draft's rounding is its own)
-                elif draft is not None:
-                    draft.pack_for_cpu(keep_plain=layout == "both")
+                for m in (verifier, draft):  # packed for trees and prompts, plain kept for single rows
+                    if m is not None:
+                        m.pack_for_cpu(keep_plain=layout == "both")
             gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                       page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
                       draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,

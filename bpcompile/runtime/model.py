@@ -524,18 +524,18 @@ class FeatureDraft(torch.nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].attn_norm.device
 
-    def pack_for_cpu(self, bf16: Optional[bool] = None) -> bool:
+    def pack_for_cpu(self, keep_plain: bool = True, bf16: Optional[bool] = None) -> bool:
         """As Llama.pack_for_cpu, for the draft's own linears (the head is the verifier's). bf16 (default: where
         the CPU multiplies bfloat16 natively) packs them in bfloat16: a draft round reads half the bytes (on
         SmolLM2 at 2 threads its forwards took 4.5 -> 4.0 ms a step, tau unchanged); the draft only proposes,
-        so the output stays the verifier's. Without bf16 a float32 draft keeps its plain layout for single rows
-        too, as the verifier does."""
+        so the output stays the verifier's. keep_plain applies to float32 packing only (a bfloat16 draft has no
+        plain float32 copy to keep)."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
             return False
         if bf16 is None:
             bf16 = cpu_has_bf16_dot()
         low = bf16 and cpu_packing_works(torch.bfloat16)
-        return _pack_linears(self, torch.bfloat16 if low else torch.float32, keep_plain=not low) > 0
+        return _pack_linears(self, torch.bfloat16 if low else torch.float32, keep_plain=keep_plain and not low) > 0
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
