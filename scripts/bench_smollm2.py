@@ -101,9 +101,10 @@ def main() -> None:
     ap.add_argument("--kv", action="append", default=[], metavar="KEY=VALUE",
                     help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
                          "key_transform=klt); the rows still say 'default KV plan'")
-    ap.add_argument("--weights", choices=("both", "packed", "plain"), default="both",
-                    help="bpcompile's weight layout: both = every linear oneDNN-packed for multi-row products and "
-                         "plain for single rows (as engines run on CPU), packed = packed only, plain = none packed")
+    ap.add_argument("--weights", choices=("rows", "both", "packed", "plain"), default="rows",
+                    help="bpcompile's weight layout (runtime.cpu_weights; engines run rows by default): rows = one "
+                         "plain copy and bpcompile's few-row kernel, both = oneDNN-packed for multi-row products "
+                         "and plain for single rows, packed = packed only, plain = PyTorch's plain products")
     ap.add_argument("--plain-weights", dest="weights", action="store_const", const="plain",
                     help="the same as --weights plain")
     a = ap.parse_args()
@@ -140,7 +141,7 @@ def main() -> None:
           file=sys.stderr)
     if a.weights != "plain":  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
         for m in (v, d, rnd):
-            m.pack_for_cpu(keep_plain=a.weights == "both")
+            m.pack_for_cpu(a.weights)
     fd = fd_rnd = None
     if Path(a.feature_draft, "config.json").is_file():
         fd = FeatureDraft.from_dir(a.feature_draft, v)  # shares v's (packed) head and embedding
@@ -149,8 +150,8 @@ def main() -> None:
             if b.is_floating_point() and "norm" not in name and "sub_head" not in name:
                 torch.nn.init.normal_(b, std=0.02)
         if a.weights != "plain":
-            fd.pack_for_cpu(keep_plain=a.weights == "both")
-            fd_rnd.pack_for_cpu(keep_plain=a.weights == "both")
+            fd.pack_for_cpu(a.weights)
+            fd_rnd.pack_for_cpu(a.weights)
     fp16 = float_store_factory(torch.float16)
     rows = {
         "hf": ("transformers generate (fp32 cache)", hf(hv)),
@@ -222,7 +223,9 @@ def main() -> None:
     n_tok = a.max_tokens * len(ps)
     packed = getattr(fd.layers[0].qkv, "packed", None) if fd is not None else None
     draft_note = "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
+    rows_ok = type(v.head).__name__ == "RowsLinear"
     layout = {"plain": "plain layout", "packed": "oneDNN-packed",
+              "rows": "bpcompile's few-row kernel" if rows_ok else "rows unavailable here: packed and plain",
               "both": "oneDNN-packed for several rows, plain for one"}[a.weights]
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
              f"weights ({layout} for bpcompile{draft_note}), "

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bpcompile.core.errors import UserError
+from bpcompile.kernels import cpu_rows
 from bpcompile.runtime.kvcache import FloatKVStore
 from bpcompile.runtime.model import FeatureDraft, Llama, ModelConfig, causal_attend, cpu_packing_works
 from bpcompile.commands import generate_text
@@ -53,6 +54,54 @@ def reference(pair_, prompts, max_tokens):
 
 # ------------------------------------------------------------------------------------------ weights
 
+@pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
+def test_rows_kernel_products():
+    """The few-row CPU kernel against float64 products: 1..8 rows, sizes that leave a masked column tail and
+    leftover weight rows, each row's result the same bits whatever rows it is multiplied with; more rows refused."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(37, 70), (576, 576), (24, 16)]:
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(cpu_rows.MAX_ROWS, k, generator=g)
+        alone = [cpu_rows.rows_matmul(x[i:i + 1].contiguous(), w)[0] for i in range(len(x))]
+        for r in range(1, cpu_rows.MAX_ROWS + 1):
+            y = cpu_rows.rows_matmul(x[:r].contiguous(), w)
+            assert torch.allclose(y.double(), x[:r].double() @ w.double().t(), rtol=1e-5, atol=1e-4), (n, k, r)
+            assert all(torch.equal(y[i], alone[i]) for i in range(r)), (n, k, r)
+    with pytest.raises(ValueError, match="at most"):
+        cpu_rows.rows_matmul(torch.randn(cpu_rows.MAX_ROWS + 1, 16), torch.randn(4, 16))
+
+
+@pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
+@pytest.mark.parametrize("tied", [False, True])
+def test_rows_layout_computes_what_plain_does(pair, tied):
+    """runtime.cpu_weights rows (the default on CPU): every linear and the head swapped for RowsLinear, one copy of
+    the weights in one buffer in forward order (a tied embedding is the head's weight), logits equal the plain
+    model's to float32 rounding for one token, a tree-sized batch and a prompt (PyTorch's product past 8 rows),
+    weights read back unchanged; the served path with trees is plain greedy. An unknown layout is refused."""
+    from bpcompile.runtime.model import RowsLinear
+
+    w = dict(pair[0].w)
+    w["transformer.layers.0.attention.qkv.bias"] = torch.randn(w["transformer.layers.0.attention.qkv.weight"].shape[0])
+    if tied:
+        w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
+    plain, rows = Llama(CFG, w), Llama(CFG, w)
+    assert rows.pack_for_cpu("rows") and {type(x).__name__ for x in rows.modules()} & {"_Linear", "PackedLinear"} == set()
+    ws = [m.w for m in rows.modules() if type(m) is RowsLinear]
+    assert len({t.untyped_storage().data_ptr() for t in ws}) == 1 and ws[-1] is rows.head.w
+    assert all(a.data_ptr() + a.numel() * 4 <= b.data_ptr() for a, b in zip(ws, ws[1:]))
+    assert not tied or rows.embed.data_ptr() == rows.head.w.data_ptr()
+    for shape in [(1, 1), (1, 6), (3, 12)]:
+        toks = torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(sum(shape)))
+        a, b = plain(toks), rows(toks)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (shape, (a - b).abs().max())
+    assert plain.w.keys() == rows.w.keys() and all(torch.equal(plain.w[k], rows.w[k]) for k in plain.w)
+    gen = Generator(rows, noisy_copy(plain, 0.3, seed=1), TreeSpec("dynamic", nodes=5), page_size=4)
+    got = [t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))]
+    assert got == [plain_greedy(plain, p, 12) for p in PROMPTS[:2]]
+    with pytest.raises(ValueError, match="layout"):
+        Llama(CFG, w).pack_for_cpu("blocked")
+
+
 @pytest.mark.skipif(not cpu_packing_works(), reason="this torch build has no oneDNN packed linear")
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_weights_compute_what_plain_ones_do(pair, tied):
@@ -68,7 +117,7 @@ def test_packed_weights_compute_what_plain_ones_do(pair, tied):
     if tied:
         w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
     plain, packed, both = Llama(CFG, w), Llama(CFG, w), Llama(CFG, w)
-    assert plain.tied == tied and packed.pack_for_cpu(keep_plain=False) and both.pack_for_cpu()
+    assert plain.tied == tied and packed.pack_for_cpu("packed") and both.pack_for_cpu("both")
     for m in (packed, both):
         assert {type(x).__name__ for x in m.modules()} & {"_Linear"} == set()
     assert packed.head.wt is None and both.head.wt is not None
@@ -92,7 +141,7 @@ def test_packed_weights_compute_what_plain_ones_do(pair, tied):
         assert plain.w.keys() == m.w.keys()
         assert all(torch.equal(plain.w[k], m.w[k]) for k in plain.w)
         assert torch.equal(plain.embed, m.embed)
-    assert not Llama(CFG, w, dtype=torch.bfloat16).pack_for_cpu()
+    assert not Llama(CFG, w, dtype=torch.bfloat16).pack_for_cpu("both")
     # the served path: greedy decode through the paged cache with trees is identical to plain greedy
     gen = Generator(packed, noisy_copy(plain, 0.3, seed=1), TreeSpec("dynamic", nodes=5), page_size=4)
     got = [t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))]
@@ -565,16 +614,20 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
 
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "FloatKVStore"
-    if cpu_packing_works():  # engines run on CPU with oneDNN-packed weights (see test_packed_weights_...)
-        assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == "PackedLinear"
-        assert gen.verifier.head.wt is not None  # and the plain layout for single rows (runtime.cpu_weights: both)
+    # engines run on CPU with the few-row kernel where it builds, else oneDNN-packed weights (runtime.cpu_weights;
+    # see test_rows_kernel_... and test_packed_weights_...)
+    kinds = {"rows": "RowsLinear" if cpu_rows.available() else "PackedLinear", "packed": "PackedLinear",
+             "plain": "_Linear", "both": "PackedLinear"}
+    if cpu_packing_works():
+        assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == kinds["rows"]
         conf = eng / "engine.json"
         raw = json.loads(conf.read_text())
-        for layout, kind in (("packed", "PackedLinear"), ("plain", "_Linear"), ("both", "PackedLinear")):
+        for layout, kind in kinds.items():
             conf.write_text(json.dumps(raw | {"runtime": raw["runtime"] | {"cpu_weights": layout}}))
             g = Generator.from_engine(eng)
             assert type(g.verifier.head).__name__ == type(g.draft.layers[0].qkv).__name__ == kind
-            assert (getattr(g.verifier.head, "wt", None) is None) == (layout == "packed")
+            assert (getattr(g.verifier.head, "wt", None) is None) == (kind == "RowsLinear" or layout == "packed")
+        conf.write_text(json.dumps(raw))
     KVPlan.uniform("int8", 2, 2, 16, group_size=16).save(eng / "kv_plan")
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "QuantKVStore" and type(gen.dkv.store).__name__ == "FloatKVStore"

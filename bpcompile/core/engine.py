@@ -150,10 +150,12 @@ class Runtime(_Strict):
         "torch", description="what runs the models: torch (their modules) or onnxruntime (the exported step "
                              "graphs with the KV-cache and attention custom ops; implies onnx)")
     onnx: bool = Field(False, description="export each model's step graphs into the version (onnx/)")
-    cpu_weights: Literal["both", "packed", "plain"] = Field(
-        "both", description="float32 weights on CPU with the torch executor: both = oneDNN-packed for products of "
-                            "several rows and the plain layout for one row (a second copy of the weights), packed = "
-                            "packed only, plain = not packed")
+    cpu_weights: Literal["rows", "both", "packed", "plain"] = Field(
+        "rows", description="float32 weights on CPU with the torch executor: rows = one plain copy, multiplied by "
+                            "bpcompile's kernel for up to 8 rows (a decode step, a tree verify; built on first use "
+                            "with the C compiler, for AVX-512 CPUs; else as both), by PyTorch beyond; both = "
+                            "oneDNN-packed for products of several rows and the plain layout for one row (a second "
+                            "copy of the weights), packed = packed only, plain = PyTorch's plain products")
 
     @property
     def wants_onnx(self) -> bool:

@@ -119,9 +119,9 @@ class Generator:
 
         tp: tensor-parallel size to run at: 1 merges the rank files into one process; the checkpoint's own tp
         runs one process per rank (runtime/tp.py; call `close()` to stop them). Default: the engine's
-        parallel.tp when its pp is 1, else 1. pack: on CPU with the torch executor, run float32 models with
-        oneDNN-packed weights as the engine's runtime.cpu_weights says (`Llama.pack_for_cpu`; False keeps plain
-        modules, e.g. for ONNX export).
+        parallel.tp when its pp is 1, else 1. pack: on CPU with the torch executor, lay float32 models' weights
+        out as the engine's runtime.cpu_weights says (`Llama.pack_for_cpu`; False keeps plain modules, e.g. for
+        ONNX export).
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if not (d / "verifier" / "config.json").is_file():
@@ -181,9 +181,9 @@ class Generator:
                 draft = FeatureDraft.from_dir(d / "draft", verifier) if feature else load("draft")
             layout = cfg.runtime.cpu_weights
             if pack and layout != "plain" and executor == "torch" and torch.device(device).type == "cpu":
-                for m in (verifier, draft):  # packed for trees and prompts, plain kept for single rows
+                for m in (verifier, draft):
                     if m is not None:
-                        m.pack_for_cpu(keep_plain=layout == "both")
+                        m.pack_for_cpu(layout)
             gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                       page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
                       draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,

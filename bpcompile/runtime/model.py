@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bpcompile.core.checkpoint import attention_shape, load_rank, merge_ranks
+from bpcompile.kernels import cpu_rows
 
 # attend(layer, q[B,T,H,D], k[B,T,KV,D], v[B,T,KV,D]) -> out[B,T,H,D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -183,6 +184,34 @@ class PackedLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class RowsLinear(torch.nn.Module):
+    """A float32 `_Linear` on CPU with its weight in the plain [out, in] layout, multiplied by bpcompile's kernel
+    for a few rows (`kernels/cpu_rows.c`: up to 8, a decode step or a tree verify) and by PyTorch beyond (a
+    prompt). One copy of the weight; on an Intel Xeon with AMX at 2 threads, all of SmolLM2's matrices as a
+    decode step streams them: 22.4 ms for one row (PyTorch's plain product 22.2), 24.8 ms for six (oneDNN packed
+    32.8, plain 41.8). A row's result does not depend on how many rows are multiplied with it."""
+
+    def __init__(self, lin: _Linear):
+        super().__init__()
+        self.register_buffer("w", lin.weight.contiguous())
+        self.register_buffer("bias", lin.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if 0 < rows <= cpu_rows.MAX_ROWS and not torch.jit.is_tracing():
+            y = cpu_rows.rows_matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.w).view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.w)
+        return y if self.bias is None else y + self.bias
+
+
+CPU_LAYOUTS = ("rows", "both", "packed", "plain")
+
+
 @functools.cache
 def cpu_packing_works(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this torch build has oneDNN's packed linear for weights of `dtype` and it agrees with a plain
@@ -294,31 +323,51 @@ class Block(torch.nn.Module):
         return h + self.down(F.silu(gate) * up)
 
 
-def _pack_linears(module: torch.nn.Module, dtype: torch.dtype = torch.float32, keep_plain: bool = False) -> int:
-    """Swap every plain linear of `module` for a packed one (PackedLinear's keep_plain). Returns how many."""
-    packed = 0
+def _swap_linears(module: torch.nn.Module, make: Callable[[_Linear], torch.nn.Module]) -> list[torch.nn.Module]:
+    """Replace every plain linear of `module` with make(linear); returns the new modules in forward order."""
+    new = set()
     for mod in list(module.modules()):
         for name, child in list(mod.named_children()):
             if type(child) is _Linear:
-                setattr(mod, name, PackedLinear(child, dtype, keep_plain))
-                packed += 1
-    return packed
+                setattr(mod, name, make(child))
+                new.add(id(getattr(mod, name)))
+    return [m for m in module.modules() if id(m) in new]
 
 
-def _one_buffer(lins: list) -> None:
-    """Move the plain copies (`wt`) of `lins`, in the order a forward reads them, into one buffer, each start 4 KiB
-    aligned. Why: a one-token decode step streams every weight once, and read as one run the CPU's prefetchers
-    cross from one matrix to the next (a SmolLM2 decode step 2.5% faster on an Intel Xeon at 2 threads)."""
+def _one_buffer(lins: list, attr: str) -> None:
+    """Move the plain weights (`attr`) of `lins`, in the order a forward reads them, into one buffer, each start
+    4 KiB aligned. Why: a one-token decode step streams every weight once, and read as one run the CPU's
+    prefetchers cross from one matrix to the next (a SmolLM2 decode step 2.5% faster on an Intel Xeon at 2
+    threads)."""
     if not lins:
         return
-    t = lins[0].wt
+    t = getattr(lins[0], attr)
     align = 4096 // t.element_size()
-    sizes = [-(-lin.wt.numel() // align) * align for lin in lins]
+    sizes = [-(-getattr(lin, attr).numel() // align) * align for lin in lins]
     flat = torch.empty(sum(sizes) + align, dtype=t.dtype, device=t.device)
     off = (-flat.data_ptr() // t.element_size()) % align
     for lin, n in zip(lins, sizes):
-        lin.wt = flat[off:off + lin.wt.numel()].view(lin.wt.shape).copy_(lin.wt)
+        w = getattr(lin, attr)
+        setattr(lin, attr, flat[off:off + w.numel()].view(w.shape).copy_(w))
         off += n
+
+
+def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = torch.float32) -> tuple[str, list]:
+    """Swap `module`'s plain linears for the CPU `layout` (CPU_LAYOUTS; rows falls back to both where the rows
+    kernel is unavailable, packed layouts to plain where oneDNN's packed kernel is): returns the layout used and
+    the new modules, their plain weights in one buffer."""
+    if layout not in CPU_LAYOUTS:
+        raise ValueError(f"CPU weight layout {layout!r}: one of {', '.join(CPU_LAYOUTS)}")
+    if layout == "rows" and dtype == torch.float32 and cpu_rows.available():
+        lins = _swap_linears(module, RowsLinear)
+        _one_buffer(lins, "w")
+        return layout, lins
+    layout = "both" if layout == "rows" else layout
+    if layout == "plain" or not cpu_packing_works(dtype):
+        return "plain", []
+    lins = _swap_linears(module, lambda lin: PackedLinear(lin, dtype, keep_plain=layout == "both"))
+    _one_buffer([m for m in lins if m.wt is not None], "wt")
+    return layout, lins
 
 
 class Llama(torch.nn.Module):
@@ -370,22 +419,24 @@ class Llama(torch.nn.Module):
         self.dtype = self.norm.dtype
         return out
 
-    def pack_for_cpu(self, keep_plain: bool = True) -> bool:
-        """Swap plain linears (the head included) for PackedLinears: faster multi-row products on CPU (a tree
-        verify), same results to float32 rounding. keep_plain (default): single rows (a decode step without a tree)
-        keep the plain layout, at the cost of a second copy of the weights (PackedLinear says why), laid out in one
-        buffer in the order a forward reads them (`_one_buffer`). Only for a float32 model on CPU whose torch has
-        the packed kernel (True when it packed); a tensor-parallel rank packs its own slices. After it the model
-        stays on CPU; a tied embedding reads the head's plain copy, or without one keeps its own dense copy (the
-        packed weight is opaque): one more vocab x hidden matrix of memory."""
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
+    def pack_for_cpu(self, layout: str = "rows") -> bool:
+        """Lay the linears (the head included) out for a float32 model on CPU; same results to float32 rounding.
+        layout (CPU_LAYOUTS): rows = one plain copy multiplied by bpcompile's few-row kernel (`RowsLinear`; a
+        decode step and a tree verify), falling back to both where that kernel cannot be built; both =
+        oneDNN-packed for several rows plus the plain layout for single rows (a second copy of the weights,
+        PackedLinear says why); packed = packed only; plain = unchanged. True when it changed the model (False
+        for another dtype or device, or where neither kernel is there); a tensor-parallel rank lays out its own
+        slices. After it the model stays on CPU; a tied embedding reads the head's plain weight, or without one
+        (packed) keeps its own dense copy (the packed weight is opaque): one more vocab x hidden matrix."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
-        dense = self.head.weight.contiguous() if self.embedding is None and not keep_plain else None
-        n = _pack_linears(self, keep_plain=keep_plain)
-        _one_buffer([m for m in self.modules() if type(m) is PackedLinear and m.wt is not None])
-        if self.tied and type(self.head) is PackedLinear:
+        dense = self.head.weight.contiguous() if self.embedding is None and layout == "packed" else None
+        layout, lins = _to_cpu_layout(self, layout)
+        if self.tied and type(self.head) is RowsLinear:
+            self.embedding = self.head.w
+        elif self.tied and type(self.head) is PackedLinear:
             self.embedding = self.head.wt.t() if self.head.wt is not None else dense
-        return n > 0
+        return bool(lins)
 
     @property
     def w(self) -> dict[str, torch.Tensor]:
@@ -524,18 +575,18 @@ class FeatureDraft(torch.nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].attn_norm.device
 
-    def pack_for_cpu(self, keep_plain: bool = True, bf16: Optional[bool] = None) -> bool:
+    def pack_for_cpu(self, layout: str = "rows", bf16: Optional[bool] = None) -> bool:
         """As Llama.pack_for_cpu, for the draft's own linears (the head is the verifier's). bf16 (default: where
-        the CPU multiplies bfloat16 natively) packs them in bfloat16: a draft round reads half the bytes (on
-        SmolLM2 at 2 threads its forwards took 4.5 -> 4.0 ms a step, tau unchanged); the draft only proposes,
-        so the output stays the verifier's. keep_plain applies to float32 packing only (a bfloat16 draft has no
-        plain float32 copy to keep)."""
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_packing_works():
+        the CPU multiplies bfloat16 natively) packs them in bfloat16 whatever the layout: a draft round reads half
+        the bytes (on SmolLM2 at 2 threads its forwards took 4.5 -> 4.0 ms a step, tau unchanged); the draft only
+        proposes, so the output stays the verifier's."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
         if bf16 is None:
             bf16 = cpu_has_bf16_dot()
-        low = bf16 and cpu_packing_works(torch.bfloat16)
-        return _pack_linears(self, torch.bfloat16 if low else torch.float32, keep_plain=keep_plain and not low) > 0
+        if bf16 and layout != "plain" and cpu_packing_works(torch.bfloat16):
+            return bool(_to_cpu_layout(self, "packed", torch.bfloat16)[1])
+        return bool(_to_cpu_layout(self, layout)[1])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
