@@ -101,10 +101,10 @@ def main() -> None:
     ap.add_argument("--kv", action="append", default=[], metavar="KEY=VALUE",
                     help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
                          "key_transform=klt); the rows still say 'default KV plan'")
-    ap.add_argument("--weights", choices=("rows", "both", "packed", "plain"), default="rows",
-                    help="bpcompile's weight layout (runtime.cpu_weights; engines run rows by default): rows = one "
-                         "plain copy and bpcompile's few-row kernel, both = oneDNN-packed for multi-row products "
-                         "and plain for single rows, packed = packed only, plain = PyTorch's plain products")
+    ap.add_argument("--weights", choices=("both", "rows", "packed", "plain"), default="both",
+                    help="bpcompile's weight layout (runtime.cpu_weights; engines run both by default): both = plain "
+                         "for single rows and bpcompile's few-row kernel (else oneDNN-packed) for several, rows = "
+                         "the few-row kernel only, packed = oneDNN-packed only, plain = PyTorch's plain products")
     ap.add_argument("--plain-weights", dest="weights", action="store_const", const="plain",
                     help="the same as --weights plain")
     a = ap.parse_args()
@@ -223,10 +223,9 @@ def main() -> None:
     n_tok = a.max_tokens * len(ps)
     packed = getattr(fd.layers[0].qkv, "packed", None) if fd is not None else None
     draft_note = "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
-    rows_ok = type(v.head).__name__ == "RowsLinear"
-    layout = {"plain": "plain layout", "packed": "oneDNN-packed",
-              "rows": "bpcompile's few-row kernel" if rows_ok else "rows unavailable here: packed and plain",
-              "both": "oneDNN-packed for several rows, plain for one"}[a.weights]
+    few = "bpcompile's few-row kernel" if type(v.head).__name__ == "RowsLinear" else "oneDNN-packed"
+    layout = {"plain": "plain layout", "packed": "oneDNN-packed", "rows": few,
+              "both": f"{few} for several rows, plain for one"}[a.weights]
     lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
              f"weights ({layout} for bpcompile{draft_note}), "
              f"{a.threads} threads, "

@@ -72,30 +72,41 @@ def test_rows_kernel_products():
 
 
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
-@pytest.mark.parametrize("tied", [False, True])
-def test_rows_layout_computes_what_plain_does(pair, tied):
-    """runtime.cpu_weights rows (the default on CPU): every linear and the head swapped for RowsLinear, one copy of
-    the weights in one buffer in forward order (a tied embedding is the head's weight), logits equal the plain
-    model's to float32 rounding for one token, a tree-sized batch and a prompt (PyTorch's product past 8 rows),
-    weights read back unchanged; the served path with trees is plain greedy. An unknown layout is refused."""
+@pytest.mark.parametrize("tied,layout", [(False, "both"), (True, "both"), (True, "rows")])
+def test_rows_layout_computes_what_plain_does(pair, tied, layout):
+    """runtime.cpu_weights both (the default on CPU) and rows: every linear and the head swapped for RowsLinear,
+    the [out, in] weights in one buffer in forward order (a tied embedding is the head's), with both the
+    transposed plain copies in another; logits equal the plain model's to float32 rounding for one token, a
+    tree-sized batch and a prompt (PyTorch's product past 8 rows); with both one row is the plain product bit for
+    bit, with rows a row alone equals that row in a tree; weights read back unchanged; the served path with trees is
+    plain greedy. An unknown layout is refused."""
     from bpcompile.runtime.model import RowsLinear
 
     w = dict(pair[0].w)
     w["transformer.layers.0.attention.qkv.bias"] = torch.randn(w["transformer.layers.0.attention.qkv.weight"].shape[0])
     if tied:
         w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
-    plain, rows = Llama(CFG, w), Llama(CFG, w)
-    assert rows.pack_for_cpu("rows") and {type(x).__name__ for x in rows.modules()} & {"_Linear", "PackedLinear"} == set()
-    ws = [m.w for m in rows.modules() if type(m) is RowsLinear]
-    assert len({t.untyped_storage().data_ptr() for t in ws}) == 1 and ws[-1] is rows.head.w
-    assert all(a.data_ptr() + a.numel() * 4 <= b.data_ptr() for a, b in zip(ws, ws[1:]))
-    assert not tied or rows.embed.data_ptr() == rows.head.w.data_ptr()
+    plain, m = Llama(CFG, w), Llama(CFG, w)
+    assert m.pack_for_cpu(layout) and {type(x).__name__ for x in m.modules()} & {"_Linear", "PackedLinear"} == set()
+    lins = [x for x in m.modules() if type(x) is RowsLinear]
+    for attr in ("w", "wt") if layout == "both" else ("w",):
+        ws = [getattr(x, attr) for x in lins]
+        assert len({t.untyped_storage().data_ptr() for t in ws}) == 1 and ws[-1] is getattr(m.head, attr)
+        assert all(a.data_ptr() + a.numel() * 4 <= b.data_ptr() for a, b in zip(ws, ws[1:]))
+    assert (m.head.wt is None) == (layout == "rows")
+    assert not tied or m.embed.data_ptr() == m.head.w.data_ptr()
     for shape in [(1, 1), (1, 6), (3, 12)]:
         toks = torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(sum(shape)))
-        a, b = plain(toks), rows(toks)
+        a, b = plain(toks), m(toks)
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (shape, (a - b).abs().max())
-    assert plain.w.keys() == rows.w.keys() and all(torch.equal(plain.w[k], rows.w[k]) for k in plain.w)
-    gen = Generator(rows, noisy_copy(plain, 0.3, seed=1), TreeSpec("dynamic", nodes=5), page_size=4)
+    x = torch.randn(6, CFG.hidden_size)
+    lin = m.layers[1].gate_up
+    if layout == "both":
+        assert torch.equal(lin(x[:1]), x[:1] @ plain.layers[1].gate_up.wt)
+    else:
+        assert torch.equal(lin(x[2:3])[0], lin(x)[2])
+    assert plain.w.keys() == m.w.keys() and all(torch.equal(plain.w[k], m.w[k]) for k in plain.w)
+    gen = Generator(m, noisy_copy(plain, 0.3, seed=1), TreeSpec("dynamic", nodes=5), page_size=4)
     got = [t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))]
     assert got == [plain_greedy(plain, p, 12) for p in PROMPTS[:2]]
     with pytest.raises(ValueError, match="layout"):
@@ -104,11 +115,11 @@ def test_rows_layout_computes_what_plain_does(pair, tied):
 
 @pytest.mark.skipif(not cpu_packing_works(), reason="this torch build has no oneDNN packed linear")
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_weights_compute_what_plain_ones_do(pair, tied):
+def test_packed_weights_compute_what_plain_ones_do(pair, tied, monkeypatch):
     """oneDNN-packed weights (how engines run on CPU): every linear and the head swapped, logits equal the
     plain layout's to float32 rounding for 1-token decode and multi-row (tree-sized) batches, the weights read
     back unchanged, the model still moves; a non-float32 model is left as it is. Keeping the plain layout too
-    (the default): one row is the plain product exactly, several rows the packed one exactly, and a tied embedding
+    (both, as where the few-row kernel cannot be built): one row is the plain product exactly, several rows the packed one exactly, and a tied embedding
     reads the head's plain copy (no third matrix)."""
     from bpcompile.runtime.model import PackedLinear
 
@@ -117,6 +128,7 @@ def test_packed_weights_compute_what_plain_ones_do(pair, tied):
     if tied:
         w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
     plain, packed, both = Llama(CFG, w), Llama(CFG, w), Llama(CFG, w)
+    monkeypatch.setattr(cpu_rows, "available", lambda: False)  # both as where the few-row kernel cannot be built
     assert plain.tied == tied and packed.pack_for_cpu("packed") and both.pack_for_cpu("both")
     for m in (packed, both):
         assert {type(x).__name__ for x in m.modules()} & {"_Linear"} == set()
@@ -616,17 +628,18 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     assert type(gen.vkv.store).__name__ == "FloatKVStore"
     # engines run on CPU with the few-row kernel where it builds, else oneDNN-packed weights (runtime.cpu_weights;
     # see test_rows_kernel_... and test_packed_weights_...)
-    kinds = {"rows": "RowsLinear" if cpu_rows.available() else "PackedLinear", "packed": "PackedLinear",
-             "plain": "_Linear", "both": "PackedLinear"}
+    few = "RowsLinear" if cpu_rows.available() else "PackedLinear"
+    kinds = {"both": few, "rows": few, "packed": "PackedLinear", "plain": "_Linear"}
     if cpu_packing_works():
-        assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == kinds["rows"]
+        assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == kinds["both"]
+        assert gen.verifier.head.wt is not None  # the plain layout for single rows
         conf = eng / "engine.json"
         raw = json.loads(conf.read_text())
         for layout, kind in kinds.items():
             conf.write_text(json.dumps(raw | {"runtime": raw["runtime"] | {"cpu_weights": layout}}))
             g = Generator.from_engine(eng)
             assert type(g.verifier.head).__name__ == type(g.draft.layers[0].qkv).__name__ == kind
-            assert (getattr(g.verifier.head, "wt", None) is None) == (kind == "RowsLinear" or layout == "packed")
+            assert (getattr(g.verifier.head, "wt", None) is None) == (layout == "packed" or (layout == "rows" and few == "RowsLinear"))
         conf.write_text(json.dumps(raw))
     KVPlan.uniform("int8", 2, 2, 16, group_size=16).save(eng / "kv_plan")
     gen = Generator.from_engine(eng)

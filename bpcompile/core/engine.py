@@ -150,12 +150,13 @@ class Runtime(_Strict):
         "torch", description="what runs the models: torch (their modules) or onnxruntime (the exported step "
                              "graphs with the KV-cache and attention custom ops; implies onnx)")
     onnx: bool = Field(False, description="export each model's step graphs into the version (onnx/)")
-    cpu_weights: Literal["rows", "both", "packed", "plain"] = Field(
-        "rows", description="float32 weights on CPU with the torch executor: rows = one plain copy, multiplied by "
-                            "bpcompile's kernel for up to 8 rows (a decode step, a tree verify; built on first use "
-                            "with the C compiler, for AVX-512 CPUs; else as both), by PyTorch beyond; both = "
-                            "oneDNN-packed for products of several rows and the plain layout for one row (a second "
-                            "copy of the weights), packed = packed only, plain = PyTorch's plain products")
+    cpu_weights: Literal["both", "rows", "packed", "plain"] = Field(
+        "both", description="float32 weights on CPU with the torch executor: both = the plain layout for one row "
+                            "(PyTorch's GEMV) and a second copy for products of several rows, multiplied by "
+                            "bpcompile's few-row kernel (up to 8 rows: a tree verify; built on first use with the "
+                            "C compiler, for AVX-512 CPUs) or, where that kernel is unavailable, oneDNN-packed; "
+                            "rows = one copy, the few-row kernel for one row too (~3% slower a decode step); "
+                            "packed = oneDNN-packed only; plain = PyTorch's plain products")
 
     @property
     def wants_onnx(self) -> bool:

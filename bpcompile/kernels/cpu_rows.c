@@ -1,8 +1,8 @@
 /* y = x w^T for a few rows of x in float32 on x86-64 CPUs with AVX-512: the products of a batch-1 decode step
  * (one row) and of a speculative tree verify (2-8 rows). Why hand-written: at 2 threads the BLAS and oneDNN
  * kernels read the weights at full bandwidth for one row, but for 6 rows they cost 1.5-2x as much (they are
- * built for larger batches); this kernel reads each weight row once for all rows of x, and prefetches ahead so
- * that the FMAs hide under the weight stream. Every output is one dot product accumulated in the same order
+ * built for larger batches); this kernel reads each weight row once for all rows of x, and (for several rows)
+ * prefetches ahead so that the FMAs hide under the weight stream. Every output is one dot product accumulated in the same order
  * whatever the number of rows, so a row's result does not depend on the rows beside it.
  *
  * x: R x K, w: N x K, y: R x N, all row-major and contiguous; 1 <= R <= 8. Built with -fopenmp: linked into a
@@ -25,7 +25,8 @@ static inline __attribute__((always_inline)) void block(const float *x, long K, 
     for (; k + 16 <= K; k += 16) {
         _Pragma("GCC unroll 8") for (int b = 0; b < NB; b++) {
             wv[b] = _mm512_loadu_ps(w + (n0 + b) * K + k);
-            _mm_prefetch((const char *)(w + (n0 + b) * K + k + PF), _MM_HINT_T0);
+            if (R > 1) /* one row is bandwidth-bound: the hardware prefetchers do better alone */
+                _mm_prefetch((const char *)(w + (n0 + b) * K + k + PF), _MM_HINT_T0);
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_loadu_ps(x + r * K + k);

@@ -186,14 +186,18 @@ class PackedLinear(torch.nn.Module):
 
 class RowsLinear(torch.nn.Module):
     """A float32 `_Linear` on CPU with its weight in the plain [out, in] layout, multiplied by bpcompile's kernel
-    for a few rows (`kernels/cpu_rows.c`: up to 8, a decode step or a tree verify) and by PyTorch beyond (a
-    prompt). One copy of the weight; on an Intel Xeon with AMX at 2 threads, all of SmolLM2's matrices as a
-    decode step streams them: 22.4 ms for one row (PyTorch's plain product 22.2), 24.8 ms for six (oneDNN packed
-    32.8, plain 41.8). A row's result does not depend on how many rows are multiplied with it."""
+    for a few rows (`kernels/cpu_rows.c`: up to 8, a tree verify) and by PyTorch beyond (a prompt). On an Intel
+    Xeon with AMX at 2 threads, all of SmolLM2's matrices as a decode step streams them: 24.8 ms for six rows
+    (oneDNN packed 32.8, PyTorch plain 41.8), 20.0 for one (PyTorch over the transposed layout 19.4). A row's
+    result does not depend on how many rows (up to 8) are multiplied with it.
 
-    def __init__(self, lin: _Linear):
+    keep_plain: also keep the transposed copy `wt` that `_Linear` multiplies one row with (PyTorch's GEMV, the
+    ~3% faster single row above), at the cost of a second copy of the weight."""
+
+    def __init__(self, lin: _Linear, keep_plain: bool = False):
         super().__init__()
         self.register_buffer("w", lin.weight.contiguous())
+        self.register_buffer("wt", lin.wt if keep_plain else None)
         self.register_buffer("bias", lin.bias)
 
     @property
@@ -202,14 +206,16 @@ class RowsLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if 0 < rows <= cpu_rows.MAX_ROWS and not torch.jit.is_tracing():
+        if rows == 1 and self.wt is not None:
+            y = x @ self.wt
+        elif 0 < rows <= cpu_rows.MAX_ROWS and not torch.jit.is_tracing():
             y = cpu_rows.rows_matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.w).view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.w)
         return y if self.bias is None else y + self.bias
 
 
-CPU_LAYOUTS = ("rows", "both", "packed", "plain")
+CPU_LAYOUTS = ("both", "rows", "packed", "plain")
 
 
 @functools.cache
@@ -353,14 +359,17 @@ def _one_buffer(lins: list, attr: str) -> None:
 
 
 def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = torch.float32) -> tuple[str, list]:
-    """Swap `module`'s plain linears for the CPU `layout` (CPU_LAYOUTS; rows falls back to both where the rows
-    kernel is unavailable, packed layouts to plain where oneDNN's packed kernel is): returns the layout used and
-    the new modules, their plain weights in one buffer."""
+    """Swap `module`'s plain linears for the CPU `layout` (CPU_LAYOUTS): rows and both use the few-row kernel
+    (`RowsLinear`) where it is available and oneDNN's packed kernel (`PackedLinear`) where not (rows then keeps
+    the plain copy as both does), packed layouts fall back to plain where oneDNN's packed kernel is missing.
+    Returns the layout used and the new modules, each kind of their plain weights in one buffer."""
     if layout not in CPU_LAYOUTS:
         raise ValueError(f"CPU weight layout {layout!r}: one of {', '.join(CPU_LAYOUTS)}")
-    if layout == "rows" and dtype == torch.float32 and cpu_rows.available():
-        lins = _swap_linears(module, RowsLinear)
+    if layout in ("rows", "both") and dtype == torch.float32 and cpu_rows.available():
+        lins = _swap_linears(module, lambda lin: RowsLinear(lin, keep_plain=layout == "both"))
         _one_buffer(lins, "w")
+        if layout == "both":
+            _one_buffer(lins, "wt")
         return layout, lins
     layout = "both" if layout == "rows" else layout
     if layout == "plain" or not cpu_packing_works(dtype):
@@ -419,15 +428,16 @@ class Llama(torch.nn.Module):
         self.dtype = self.norm.dtype
         return out
 
-    def pack_for_cpu(self, layout: str = "rows") -> bool:
+    def pack_for_cpu(self, layout: str = "both") -> bool:
         """Lay the linears (the head included) out for a float32 model on CPU; same results to float32 rounding.
-        layout (CPU_LAYOUTS): rows = one plain copy multiplied by bpcompile's few-row kernel (`RowsLinear`; a
-        decode step and a tree verify), falling back to both where that kernel cannot be built; both =
-        oneDNN-packed for several rows plus the plain layout for single rows (a second copy of the weights,
-        PackedLinear says why); packed = packed only; plain = unchanged. True when it changed the model (False
-        for another dtype or device, or where neither kernel is there); a tensor-parallel rank lays out its own
-        slices. After it the model stays on CPU; a tied embedding reads the head's plain weight, or without one
-        (packed) keeps its own dense copy (the packed weight is opaque): one more vocab x hidden matrix."""
+        layout (CPU_LAYOUTS): both = the plain layout for single rows (a decode step without a tree) plus a copy
+        for products of several rows (a tree verify, a prompt): bpcompile's few-row kernel's (`RowsLinear`) where
+        it builds, else oneDNN-packed (`PackedLinear`, which says why); rows = one copy, the few-row kernel for
+        single rows too (both where it cannot be built); packed = oneDNN-packed only; plain = unchanged. True
+        when it changed the model (False for another dtype or device, or where no kernel is there); a
+        tensor-parallel rank lays out its own slices. After it the model stays on CPU; a tied embedding reads
+        the head's plain weight, or without one (packed) keeps its own dense copy (the packed weight is opaque):
+        one more vocab x hidden matrix."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
         dense = self.head.weight.contiguous() if self.embedding is None and layout == "packed" else None
@@ -575,7 +585,7 @@ class FeatureDraft(torch.nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].attn_norm.device
 
-    def pack_for_cpu(self, layout: str = "rows", bf16: Optional[bool] = None) -> bool:
+    def pack_for_cpu(self, layout: str = "both", bf16: Optional[bool] = None) -> bool:
         """As Llama.pack_for_cpu, for the draft's own linears (the head is the verifier's). bf16 (default: where
         the CPU multiplies bfloat16 natively) packs them in bfloat16 whatever the layout: a draft round reads half
         the bytes (on SmolLM2 at 2 threads its forwards took 4.5 -> 4.0 ms a step, tau unchanged); the draft only
