@@ -155,6 +155,7 @@ def _generate(gen, d: Path, tok, prompt_text: str, max_tokens: int, temperature:
     from tokenizers.decoders import DecodeStream
 
     from bpcompile.runtime.generator import SamplingParams
+    from bpcompile.runtime.model import cpu_layout
     from bpcompile.runtime.text import chat_prompt
 
     templated = chat_prompt(d / "tokenizer", prompt_text) if chat else None
@@ -172,7 +173,8 @@ def _generate(gen, d: Path, tok, prompt_text: str, max_tokens: int, temperature:
     (out, stats), = gen.generate([ids], params, on_token=None if json_out else stream)
     wall = time.perf_counter() - t0
     result = {"tree": gen.tree.kind if gen.draft is not None else "none", "prompt_tokens": len(ids),
-              "executor": gen.executor, "tp": gen.tp,
+              "executor": gen.executor, "tp": gen.tp, "cpu_weights": cpu_layout(gen.verifier)
+              if gen.tp == 1 and gen.executor == "torch" and str(gen.device).startswith("cpu") else None,
               "chat_template": templated is not None,
               "tokens": out, "text": tok.decode(out), "tokens_per_s": len(out) / wall if wall > 0 else None,
               "wall_s": wall, "tau": stats.tau, "verifier_steps": stats.verifier_steps,
@@ -185,5 +187,6 @@ def _generate(gen, d: Path, tok, prompt_text: str, max_tokens: int, temperature:
         print(f"[{len(out)} tokens in {wall:.2f}s = {result['tokens_per_s']:.1f} tok/s; tree {result['tree']}; "
               f"tau {stats.tau:.2f} tokens/verifier step over {stats.verifier_steps} steps; accepted per depth "
               f"{stats.accepted_per_depth} of {stats.proposed_per_depth}; draft {stats.draft_s:.2f}s, verify "
-              f"{stats.verify_s:.2f}s, bookkeeping {stats.bookkeeping_s:.2f}s]", file=sys.stderr)
+              f"{stats.verify_s:.2f}s, bookkeeping {stats.bookkeeping_s:.2f}s"
+              + (f"; CPU weights {result['cpu_weights']}" if result["cpu_weights"] else "") + "]", file=sys.stderr)
     return result

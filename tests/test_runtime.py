@@ -650,6 +650,7 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     res = generate_text(eng, "The for statement", max_tokens=12, tree="chain:3", json_out=True)
     js = json.loads(capsys.readouterr().out)
     assert js["tokens"] == res["tokens"] and js["tree"] == "chain" and js["verifier_steps"] >= 1
+    assert js["cpu_weights"] == ("both" if cpu_rows.available() else "both-packed" if cpu_packing_works() else "plain")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(eng / "tokenizer" / "tokenizer.json"))

@@ -329,6 +329,18 @@ class Block(torch.nn.Module):
         return h + self.down(F.silu(gate) * up)
 
 
+def cpu_layout(model: torch.nn.Module) -> str:
+    """How `model`'s linears are laid out (pack_for_cpu), read from its head: both / rows (the few-row kernel),
+    both-packed / packed (oneDNN), plain; another head type (a tensor-parallel one) by its class name."""
+    head = getattr(model, "head", None)
+    kind = type(head).__name__
+    if kind == "RowsLinear":
+        return "both" if head.wt is not None else "rows"
+    if kind == "PackedLinear":
+        return "both-packed" if head.wt is not None else "packed"
+    return "plain" if kind == "_Linear" else kind
+
+
 def _swap_linears(module: torch.nn.Module, make: Callable[[_Linear], torch.nn.Module]) -> list[torch.nn.Module]:
     """Replace every plain linear of `module` with make(linear); returns the new modules in forward order."""
     new = set()
