@@ -56,7 +56,7 @@ def reference(pair_, prompts, max_tokens):
 
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
 def test_rows_kernel_products():
-    """The few-row CPU kernel against float64 products: 1..8 rows, sizes that leave a masked column tail and
+    """The few-row CPU kernel against float64 products: 1..16 rows, sizes that leave a masked column tail and
     leftover weight rows, each row's result the same bits whatever rows it is multiplied with; more rows refused."""
     g = torch.Generator().manual_seed(0)
     for n, k in [(37, 70), (576, 576), (24, 16)]:
@@ -77,7 +77,7 @@ def test_rows_layout_computes_what_plain_does(pair, tied, layout):
     """runtime.cpu_weights both (the default on CPU) and rows: every linear and the head swapped for RowsLinear,
     the [out, in] weights in one buffer in forward order (a tied embedding is the head's), with both the
     transposed plain copies in another; logits equal the plain model's to float32 rounding for one token, a
-    tree-sized batch and a prompt (PyTorch's product past 8 rows); with both one row is the plain product bit for
+    tree-sized batch and a prompt (PyTorch's product past 16 rows); with both one row is the plain product bit for
     bit, with rows a row alone equals that row in a tree; weights read back unchanged; the served path with trees is
     plain greedy. An unknown layout is refused."""
     from bpcompile.runtime.model import RowsLinear

@@ -153,7 +153,7 @@ class Runtime(_Strict):
     cpu_weights: Literal["both", "rows", "packed", "plain"] = Field(
         "both", description="float32 weights on CPU with the torch executor: both = the plain layout for one row "
                             "(PyTorch's GEMV) and a second copy for products of several rows, multiplied by "
-                            "bpcompile's few-row kernel (up to 8 rows: a tree verify; built on first use with the "
+                            "bpcompile's few-row kernel (up to 16 rows: a tree verify; built on first use with the "
                             "C compiler, for AVX-512 CPUs) or, where that kernel is unavailable, oneDNN-packed; "
                             "rows = one copy, the few-row kernel for one row too (~3% slower a decode step); "
                             "packed = oneDNN-packed only; plain = PyTorch's plain products")

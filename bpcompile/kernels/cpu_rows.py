@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_rows.c")
-MAX_ROWS = 8
+MAX_ROWS = 16
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
