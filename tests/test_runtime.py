@@ -72,6 +72,29 @@ def test_rows_kernel_products():
 
 
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
+def test_rows_kernel_builds_into_its_cache_and_falls_back(tmp_path):
+    """A fresh process builds the kernel into $BPCOMPILE_CACHE (one shared object, no temporary left); a compiler
+    that fails, or BPCOMPILE_CPU_ROWS=0, leaves it unavailable (callers keep PyTorch's products) without an error."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from bpcompile.kernels import cpu_rows; print(cpu_rows.available())"
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", probe], env=os.environ | env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run(BPCOMPILE_CACHE=str(tmp_path / "a")) == "True"
+    assert [p.suffix for p in (tmp_path / "a").iterdir()] == [".so"]
+    assert run(BPCOMPILE_CACHE=str(tmp_path / "b"), CC="/bin/false") == "False"
+    assert list((tmp_path / "b").iterdir()) == []
+    assert run(BPCOMPILE_CACHE=str(tmp_path / "c"), BPCOMPILE_CPU_ROWS="0") == "False"
+
+
+@pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
 @pytest.mark.parametrize("tied,layout", [(False, "both"), (True, "both"), (True, "rows")])
 def test_rows_layout_computes_what_plain_does(pair, tied, layout):
     """runtime.cpu_weights both (the default on CPU) and rows: every linear and the head swapped for RowsLinear,
