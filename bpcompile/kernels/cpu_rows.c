@@ -1,9 +1,10 @@
 /* y = x w^T for a few rows of x in float32 on x86-64 CPUs with AVX-512: the products of a batch-1 decode step
- * (one row) and of a speculative tree verify (2-16 rows: a batch of trees). Why hand-written: at 2 threads the BLAS and oneDNN
- * kernels read the weights at full bandwidth for one row, but for 6 rows they cost 1.5-2x as much (they are
- * built for larger batches); this kernel reads each weight row once for all rows of x, and (for several rows)
- * prefetches ahead so that the FMAs hide under the weight stream. Every output is one dot product accumulated in the same order
- * whatever the number of rows, so a row's result does not depend on the rows beside it.
+ * (one row) and of a speculative tree verify (2-16 rows: a tree, or a batch of them). Why hand-written: at 2
+ * threads the BLAS and oneDNN kernels read the weights at full bandwidth for one row, but for 6 rows they cost
+ * 1.5-2x as much (they are built for larger batches); this kernel reads each weight row once for all rows of x
+ * and (for several rows) prefetches ahead so that the FMAs hide under the weight stream. Every output is one dot
+ * product accumulated in the same order whatever the number of rows, so a row's result does not depend on the
+ * rows beside it.
  *
  * x: R x K, w: N x K, y: R x N, all row-major and contiguous; 1 <= R <= 16. Built with -fopenmp: linked into a
  * process that has loaded PyTorch it shares PyTorch's OpenMP runtime (same soname) and thread count. */

@@ -187,10 +187,10 @@ class PackedLinear(torch.nn.Module):
 class RowsLinear(torch.nn.Module):
     """A float32 `_Linear` on CPU with its weight in the plain [out, in] layout, multiplied by bpcompile's kernel
     for a few rows (`kernels/cpu_rows.c`: up to 16, a tree verify or a batch of them) and by PyTorch beyond (a
-    prompt). On an Intel
-    Xeon with AMX at 2 threads, all of SmolLM2's matrices as a decode step streams them: 24.8 ms for six rows
-    (oneDNN packed 32.8, PyTorch plain 41.8), 30.3 for twelve (43.0 / 62.7), 20.0 for one (PyTorch over the transposed layout 19.4). A row's
-    result does not depend on how many rows (up to 16) are multiplied with it.
+    prompt). On an Intel Xeon with AMX at 2 threads, all of SmolLM2's matrices as a decode step streams them:
+    24.8 ms for six rows (oneDNN packed 32.8, PyTorch plain 41.8), 30.3 for twelve (43.0 / 62.7), 20.0 for one
+    (PyTorch's GEMV over the transposed layout 19.4). A row's result does not depend on how many rows (up to 16)
+    are multiplied with it.
 
     keep_plain: also keep the transposed copy `wt` that `_Linear` multiplies one row with (PyTorch's GEMV, the
     ~3% faster single row above), at the cost of a second copy of the weight."""
