@@ -31,7 +31,7 @@ from bpcompile.build.calibrate import calibrate  # noqa: E402
 from bpcompile.build.convert import convert_checkpoint  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
 from bpcompile.runtime.kvcache import kv_store_factory  # noqa: E402
-from bpcompile.runtime.model import Llama  # noqa: E402
+from bpcompile.runtime.model import Llama, cpu_layout  # noqa: E402
 from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
 
 
@@ -115,7 +115,8 @@ def main() -> None:
     print(f"# Runtime overhead per step, SmolLM2-135M-Instruct, batch {a.batch} x {a.max_tokens} tokens\n\n"
           f"Command: `.venv/bin/python scripts/bench_overhead.py --batch {a.batch} --max-tokens {a.max_tokens} "
           f"--repeats {a.repeats}`\n\nMachine: {platform.machine()}, {a.threads} threads, torch {torch.__version__}, "
-          "float32 weights (oneDNN-packed, as engines run on CPU). Medians over decode steps; min..max over repeats.\n\n"
+          f"float32 weights (runtime.cpu_weights default, as engines run on CPU: {cpu_layout(v)}). Medians over decode "
+          "steps; min..max over repeats.\n\n"
           "| row | decode steps | step (µs) | forwards (µs) | overhead (µs) | overhead share of step time | prefill (ms) |\n"
           "|---|---|---|---|---|---|---|")
     for key in a.rows.split(","):
