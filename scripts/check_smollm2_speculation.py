@@ -1,6 +1,6 @@
 """Greedy speculation on the SmolLM2 pair is lossless: every tree's output equals verifier-only decoding's, token
-for token, on held-out chat prompts (FP16 KV; models as engines run them on CPU: oneDNN-packed for several rows,
-plain for one).
+for token, on held-out chat prompts (FP16 KV; models as engines run them on CPU, `runtime.cpu_weights` both:
+bpcompile's few-row kernel, or oneDNN-packed where it cannot be built, for several rows, plain for one).
 
     .venv/bin/python scripts/check_smollm2_speculation.py --prompts 50 --max-tokens 64
     .venv/bin/python scripts/check_smollm2_speculation.py --feature-draft models/smollm2/feature_draft
