@@ -371,11 +371,11 @@ def _one_buffer(lins: list, attr: str) -> None:
         off += n
 
 
-def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = torch.float32) -> tuple[str, list]:
+def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = torch.float32) -> list:
     """Swap `module`'s plain linears for the CPU `layout` (CPU_LAYOUTS): rows and both use the few-row kernel
     (`RowsLinear`) where it is available and oneDNN's packed kernel (`PackedLinear`) where not (rows then keeps
     the plain copy as both does), packed layouts fall back to plain where oneDNN's packed kernel is missing.
-    Returns the layout used and the new modules, each kind of their plain weights in one buffer."""
+    Returns the new modules (none where nothing changed), each kind of their plain weights in one buffer."""
     if layout not in CPU_LAYOUTS:
         raise ValueError(f"CPU weight layout {layout!r}: one of {', '.join(CPU_LAYOUTS)}")
     if layout in ("rows", "both") and dtype == torch.float32 and cpu_rows.available():
@@ -383,13 +383,13 @@ def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = to
         _one_buffer(lins, "w")
         if layout == "both":
             _one_buffer(lins, "wt")
-        return layout, lins
+        return lins
     layout = "both" if layout == "rows" else layout
     if layout == "plain" or not cpu_packing_works(dtype):
-        return "plain", []
+        return []
     lins = _swap_linears(module, lambda lin: PackedLinear(lin, dtype, keep_plain=layout == "both"))
     _one_buffer([m for m in lins if m.wt is not None], "wt")
-    return layout, lins
+    return lins
 
 
 class Llama(torch.nn.Module):
@@ -454,7 +454,7 @@ class Llama(torch.nn.Module):
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
         dense = self.head.weight.contiguous() if self.embedding is None and layout == "packed" else None
-        layout, lins = _to_cpu_layout(self, layout)
+        lins = _to_cpu_layout(self, layout)
         if self.tied and type(self.head) is RowsLinear:
             self.embedding = self.head.w
         elif self.tied and type(self.head) is PackedLinear:
@@ -608,8 +608,8 @@ class FeatureDraft(torch.nn.Module):
         if bf16 is None:
             bf16 = cpu_has_bf16_dot()
         if bf16 and layout != "plain" and cpu_packing_works(torch.bfloat16):
-            return bool(_to_cpu_layout(self, "packed", torch.bfloat16)[1])
-        return bool(_to_cpu_layout(self, layout)[1])
+            return bool(_to_cpu_layout(self, "packed", torch.bfloat16))
+        return bool(_to_cpu_layout(self, layout))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
