@@ -347,6 +347,45 @@ def test_klt_keys_are_fit_where_asked_and_speculation_stays_identical(ckpt, mode
     assert gen.vkv.store.positions is not None  # the KLT store, recording positions
 
 
+def test_klt_keys_keep_the_bands_bits(ckpt, model, tmp_path):
+    """With INT6 keys in the first third and INT5 in the middle, key_transform: klt stores them as KLT6 / KLT5 units
+    (bits summing to 6 / 5 x head size, the same payload bytes), also with a group size below the head size; a KLT6
+    unit reads back held-out keys closer to what was written than the same unit as KLT4."""
+    from bpcompile.build.calibrate import capture_qkv
+    from bpcompile.runtime.kvcache import QuantKVStore
+
+    cfg = CFG | {"outlier_fraction": 0.0, "group_size": 64, "int6_keys": "early", "int5_keys": "middle",
+                 "int3_values": 0.5}
+    plan, _ = calibrate(model, samples(4, 24, 0), cfg | {"key_transform": "klt"})
+    none, _ = calibrate(model, samples(4, 24, 0), cfg)
+    D = plan.head_size
+    assert [p["k"] for p in plan.precision] == [["klt6"] * 2, ["klt5"] * 2, ["int4"] * 2]
+    assert [p["k"] for p in none.precision] == [["int6"] * 2, ["int5"] * 2, ["int4"] * 2]
+    assert plan.bytes_per_token() == none.bytes_per_token()
+    assert {int(plan.klt["bits"][0, h].long().sum()) for h in range(2)} == {6 * D}
+    assert {int(plan.klt["bits"][1, h].long().sum()) for h in range(2)} == {5 * D}
+    _, _, k, v = next(iter(capture_qkv(model, samples(1, 24, 3))))  # layer 0's keys (after RoPE), held out
+    T = k.shape[1]
+    errs = []
+    klt4, _ = calibrate(model, samples(4, 24, 0), CFG | {"outlier_fraction": 0.0, "group_size": 64,
+                                                        "key_transform": "klt"})
+    assert klt4.precision[0]["k"] == ["klt4"] * 2
+    # a group size below the head size: the other units get more scales, a KLT unit keeps one per token
+    fine, _ = calibrate(model, samples(4, 24, 0), cfg | {"key_transform": "klt", "group_size": D // 2})
+    assert [p["k"] for p in fine.precision] == [p["k"] for p in plan.precision] and fine.effective_group_size == D // 2
+    assert fine.bytes_per_token() == plan.bytes_per_token() + (12 - 4) * 2  # as many INT3 values, other ones
+    for p in (plan, klt4, fine):
+        store = QuantKVStore(p, num_pages=4, page_size=16)
+        slots, pos = torch.arange(16, 16 + T), torch.arange(T)
+        store.write(0, slots, k[0], v[0], positions=pos)
+        errs.append(float((store.read(0, slots)[0].float() - k[0]).pow(2).mean()))
+    assert errs[0] < 0.5 * errs[1], errs  # two more bits a coefficient: a quarter of the squared error, roughly
+    assert errs[2] == errs[0]  # the KLT units' codes do not depend on the other units' group size
+    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", cfg | {"key_transform": "klt"},
+                                 {"samples": 2, "length": 24}, tmp_path / "kv")
+    assert "keys of layers 0-1 KLT (before RoPE; layers 0-0 KLT6; layers 1-1 KLT5)" in res["detail"], res["detail"]
+
+
 def test_klt_keys_lower_the_shipped_tiny_verifiers_held_out_kl(tmp_path):
     """On a trained model (the shipped tiny verifier) the same plan with its keys of the first two thirds of the
     layers as KLT4 units has a lower held-out KL vs FP16 KV than with them Hadamard-rotated INT4 (same bytes)."""

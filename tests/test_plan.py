@@ -89,18 +89,25 @@ def test_exact_entries_add_their_copies_per_sequence():
     # 16 more payload bytes each than INT4 (80 against 64 at head 128), and no INT8 retrieval units
     p3 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
                                                            "int3_values": 0}}), _spec(L70), _spec(L1B), DEVICES["h200"])
-    # KLT keys (opt-in) take the bytes INT4 keys do per token: no INT5, no INT8 units
+    # KLT keys (the first two thirds of the layers, 0-52) take the bytes of the INT4 / INT5 keys they replace (one
+    # scale per token: the recipe's group is the head size); the store keeps a 4-byte position per slot; with
+    # group 64 the other units keep two scales a token and the KLT ones one
     pk = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
                                                            "int3_values": 0, "key_transform": "klt"}}),
               _spec(L70), _spec(L1B), DEVICES["h200"])
-    assert pk["kv_bytes_per_token"] == p1["kv_bytes_per_token"]
     assert p3["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 26 * 8 * 16 / 8
+    assert pk["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == 4
+    g64 = {**exact["kv_cache"], "int5_keys": "auto", "int6_keys": "none", "int3_values": 0, "group_size": 64}
+    p5, pk5 = (plan(Recipe.model_validate({**exact, "kv_cache": {**g64, "key_transform": t}}), _spec(L70), _spec(L1B),
+                    DEVICES["h200"]) for t in ("none", "klt"))
+    assert pk5["kv_bytes_per_token"] - p5["kv_bytes_per_token"] == 4 - 53 * 8 * 2 / 8
     # and INT6 keys (opt-in) with int3_values' auto: the keys of the first third (layers 0-26: 27 x 8 units) in
     # INT6, 32 more payload bytes each than INT4 (96 against 64), and round(0.6667 * 640) = 427 value units in INT3,
     # 16 fewer each (48 against 64)
     p4 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "early"}}),
               _spec(L70), _spec(L1B), DEVICES["h200"])
-    assert p4["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == (27 * 8 * 32 - 427 * 16) / 8
+    # (key_transform's auto is then klt, the default plan: KLT6 / KLT5 keys, the same bytes, and a position per slot)
+    assert p4["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == (27 * 8 * 32 - 427 * 16) / 8 + 4
 
 
 def test_small_config_by_hand():

@@ -36,20 +36,25 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 
 @pytest.mark.parametrize("target,executor,fmt,extra,want", [
-    # the default: a 10-position exact window, the keys of the middle third of the layers in INT5, nothing else
-    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
-    # KLT keys (opt-in): the keys of the first two thirds of the layers as KLT4 units, a 7-position window
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt"}, (0, 7, 0.0, 0.0, "none", "none", 0.0, "klt")),
-    # with INT6 keys (opt-in): the first third's keys in INT6, two thirds of the value units in INT3, window 11
-    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early"},
+    # the default: a 10-position exact window, the keys of the first third of the layers KLT6 (INT6's bytes), of the
+    # middle third KLT5, two thirds of the value units (those outside the middle third) INT3
+    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt"}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
+    # without KLT keys: the middle third's keys INT5, nothing else (the previous default)
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
+    # INT6 keys without the transform: window 11
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early", "key_transform": "none"},
      (0, 11, 0.0, 0.0, "middle", "early", 0.6667, "none")),
+    # KLT keys without INT6 ones: the middle third's as KLT5, window 10; without INT5 keys either: KLT4, window 7
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int6_keys": "none"},
+     (0, 10, 0.0, 0.0, "middle", "none", 0.0, "klt")),
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int5_keys": "none"},
+     (0, 7, 0.0, 0.0, "none", "none", 0.0, "klt")),
     # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
     ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none", "none", 0.0, "none")),
     # without a window: no KLT, INT5 or INT6 keys either (measured only next to exact recent keys)
     ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
-    # KLT keys asked for with the INT5 band: the band's keys become KLT5 units, window 10
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int5_keys": "middle"},
-     (0, 10, 0.0, 0.0, "middle", "none", 0.0, "klt")),
     # the graphs do not read exact entries (nor INT6, INT3 or KLT units)
     ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
     ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),  # nor the plugin

@@ -221,14 +221,15 @@ def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
     for fmt in ("fp16", "int4-fp8-outlier"):
         loaded = load_recipe(recipe_with(tmp_path, pair, extra="") if fmt == "fp16" else
                              _with_kv(recipe_with(tmp_path, pair), "kv_cache: {format: int4-fp8-outlier, group_size: 16, "
-                                                                   "outlier_fraction: 0.25, int6_keys: early}"))
+                                                                   "outlier_fraction: 0.25, int6_keys: early, "
+                                                                   "key_transform: none}"))
         r = loaded.recipe
         vcfg = models["verifier"].cfg
         factory = float_store_factory(torch.float16)  # what Generator.from_engine gives format fp16
         if fmt != "fp16":
             plan = KVPlan.uniform(fmt, vcfg.num_layers, vcfg.num_kv_heads, vcfg.head_size, group_size=16)
-            # the recipe's autos on the native target with INT6 keys asked for: an FP16 window, whose copies the
-            # estimate counts, the middle third's keys in INT5 and two thirds of the values in INT3
+            # the recipe's autos on the native target with INT6 keys asked for without KLT: an FP16 window, whose
+            # copies the estimate counts, the middle third's keys in INT5 and two thirds of the values in INT3
             assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window, r.kv_cache.int5_keys, r.kv_cache.int6_keys,
                     r.kv_cache.int3_values) == (0, 11, "middle", "early", 0.6667)
             for layer in int5_key_layers("middle", vcfg.num_layers):

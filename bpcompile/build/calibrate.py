@@ -538,17 +538,13 @@ def fit_klt(verifier: Llama, samples: list[list[int]], unit_bits: dict) -> dict:
 
 def with_klt_keys(plan: KVPlan, report: dict, verifier: Llama, samples: list[list[int]],
                   layers: range) -> tuple[KVPlan, dict]:
-    """The plan with the INT4 / INT5 key units of `layers` stored as KLT4 / KLT5 units (same payload and scale
-    bytes: 4 or 5 bits an element and one fp16 scale per token), their tables fit on the samples; report and
-    calibration table updated."""
+    """The plan with the INT4 / INT5 / INT6 key units of `layers` stored as KLT4 / KLT5 / KLT6 units (the same
+    payload bytes: 4, 5 or 6 bits an element; one fp16 scale per token, whatever the group size), their tables fit
+    on the samples; report and calibration table updated."""
     D = plan.head_size
-    to = {"int4": "klt4", "int5": "klt5"}
+    to = {"int4": "klt4", "int5": "klt5", "int6": "klt6"}
     unit_bits = {(layer, h): KLT_PRECISIONS[to[x]] * D for layer, p in enumerate(plan.precision)
                  for h, x in enumerate(p["k"]) if x in to and layer in layers}
-    if plan.effective_group_size != D:
-        raise UserError(f"key_transform: klt needs one scale per token: set group_size: {D} (the head size), or "
-                        "key_transform: none",
-                        key="kv_cache.group_size")
     klt = fit_klt(verifier, samples, unit_bits)
     prec = [{"k": [to[x] if (layer, h) in unit_bits else x for h, x in enumerate(p["k"])], "v": list(p["v"])}
             for layer, p in enumerate(plan.precision)]
@@ -616,6 +612,7 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     rss = peak_rss_bytes()
     klt = report.get("klt_layers")
     band_klt = bool(int5 and klt and klt[0] <= int5.start and int5.stop <= klt[1])  # the INT5 band stored as KLT5
+    early_klt = bool(int6 and klt and klt[0] <= int6.start and int6.stop <= klt[1])  # the INT6 band stored as KLT6
     if plan.has_klt:  # the D x D tables are per engine, not per token: say what the runtime's pool comes to
         from bpcompile.runtime.paged_kv import allocated_compression
 
@@ -627,10 +624,11 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
                       f"{report.get('outlier_precision', 'fp8').upper()}{' ' + ' '.join(fp8) if fp8 else ''}"
                       f"{', rotated' if report.get('rotation') == 'hadamard' else ''}"
                       + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
-                      + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 else "")
+                      + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 and not early_klt else "")
                       + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 and not band_klt else "")
                       + (f", keys of layers {klt[0]}-{klt[1] - 1} KLT (before RoPE"
-                         + (f"; layers {int5.start}-{int5.stop - 1} KLT5)" if band_klt else ")") if klt else "")
+                         + (f"; layers {int6.start}-{int6.stop - 1} KLT6" if early_klt else "")
+                         + (f"; layers {int5.start}-{int5.stop - 1} KLT5" if band_klt else "") + ")" if klt else "")
                       + (f", {report['int3_units']} value units INT3" if report.get("int3_units") else "")
                       + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
                       + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")

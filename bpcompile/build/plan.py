@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from bpcompile.build.calibrate import int5_key_layers, int6_key_layers, n_outlier_units
+from bpcompile.build.calibrate import int5_key_layers, int6_key_layers, klt_key_layers, n_outlier_units
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import PRECISIONS
 from bpcompile.runtime.paged_kv import cache_pages, pages_per_sequence
@@ -75,8 +75,11 @@ def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dt
         ret = min(n_outlier_units(kv.retrieval_fraction, units), L * KV - i5 - i6)
         i3 = n_outlier_units(kv.int3_values, L * KV)
         wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret - i5 - i6 - i3)
-        return share * (i5 * width["int5"] + i6 * width["int6"] + ret * width["int8"] + i3 * width["int3"]
-                        + wide * width[kv.outlier_precision] + (units - i5 - i6 - ret - i3 - wide) * width["int4"])
+        total = share * (i5 * width["int5"] + i6 * width["int6"] + ret * width["int8"] + i3 * width["int3"]
+                         + wide * width[kv.outlier_precision] + (units - i5 - i6 - ret - i3 - wide) * width["int4"])
+        if kv.key_transform == "klt":  # KLT keys keep one scale per token; the store keeps a position per slot
+            total += 4 - share * len(klt_key_layers(L)) * KV * 2 * (D // G - 1)
+        return total
     return share * units * width[fmt]
 
 

@@ -58,8 +58,9 @@ class KVCache(_Strict):
     recent_window: Union[Annotated[int, Field(ge=0, le=4096)], Literal["auto"]] = Field(
         "auto", description="a query reads the K/V of the newest positions up to its own (this many, itself "
                             "included) from an FP16 copy; auto: for int4-fp8-outlier on the native target with "
-                            "the torch executor 10 with INT5 keys (11 with INT6 keys as well, 16 without INT5 keys: "
-                            "what 3.5x leaves on SmolLM2), else 0")
+                            "the torch executor 10 with INT5 keys (the default, with INT6 and KLT keys as well; 11 "
+                            "with INT6 keys and no KLT, 7 with KLT keys and no INT5 ones, 16 without INT5 keys: what "
+                            "3.5x leaves on SmolLM2), else 0")
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
     rotation: Literal["auto", "hadamard", "none"] = Field(
@@ -77,20 +78,21 @@ class KVCache(_Strict):
 
     int6_keys: Literal["auto", "early", "none"] = Field(
         "auto", description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
-                            "to pay for them: read by the torch executor only). auto: none (on SmolLM2 the plans with "
-                            "them did not keep passkey retrieval nearer FP16 KV's at 2k and 4k together than the "
-                            "INT5 keys alone)")
+                            "to pay for them: read by the torch executor only). auto: early where the INT5 keys and "
+                            "KLT keys are on (the default on the native target with the torch executor: on SmolLM2 "
+                            "the three together kept passkey retrieval within 2 points of FP16 KV's at every "
+                            "length), else none")
     int3_values: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
         "auto", description="share of the value units stored in INT3, the least sensitive first, those of the "
                             f"INT5 keys' layers last; auto: {AUTO_INT3_VALUES} with INT6 keys (the values outside "
                             "the INT5 keys' layers: what pays for them at 3.5x on SmolLM2), else 0")
 
     key_transform: Literal["auto", "klt", "none"] = Field(
-        "auto", description="klt: the INT4 / INT5 keys of the first two thirds of the layers stored as coefficients "
-                            "of a calibrated basis before RoPE, bits per coefficient by their variance, at the same "
-                            "bytes per token plus a D x D table per unit (read by the torch executor only). auto: "
-                            "none (on SmolLM2 within 3.5x it kept 2k passkey retrieval at FP16 KV's, and lost 4 points "
-                            "at 4k)")
+        "auto", description="klt: the INT4 / INT5 / INT6 keys of the first two thirds of the layers stored as "
+                            "coefficients of a calibrated basis before RoPE, bits per coefficient by their variance, at "
+                            "the same bytes per token plus a D x D table per unit (read by the torch executor only). "
+                            "auto: klt where the INT5 keys are on and INT6 keys are not refused (then with INT6 keys "
+                            "in the first third: KLT6 / KLT5 keys in layers 0-19 on SmolLM2), else none")
 
     @model_validator(mode="after")
     def _bands_with_int4(self):
@@ -191,20 +193,27 @@ class EngineConfig(_Strict):
         auto = exact_ok and kv.format == "int4-fp8-outlier"
         if kv.sink_tokens == "auto":  # off: on SmolLM2 an exact sink cost passkey retrieval at 2k tokens
             kv.sink_tokens = 0
-        if kv.key_transform == "auto":  # opt-in: on SmolLM2 at 3.5x it moved the passkey loss from 2k to 4k (KV_FORMAT §6)
-            kv.key_transform = "none"
-        if kv.int5_keys == "auto":  # measured with the exact window: INT5 middle keys keep 4k retrieval as FP16's
-            kv.int5_keys = "middle" if auto and kv.recent_window != 0 and kv.key_transform != "klt" else "none"
+        # the default plan (measured on SmolLM2 next to the exact window, docs/KV_FORMAT.md §6): the middle third's
+        # keys INT5, the first third's INT6, both stored as KLT units (KLT5 / KLT6), INT3 values outside the middle
+        # third; each piece alone moved passkey retrieval at 2k or 4k away from FP16 KV's
+        windowed = auto and kv.recent_window != 0
+        if kv.int5_keys == "auto":
+            kv.int5_keys = "middle" if windowed else "none"
         int5 = kv.int5_keys == "middle"
-        if kv.int6_keys == "auto":  # opt-in: measured on SmolLM2, not better than INT5 keys alone (docs/KV_FORMAT.md §6)
-            kv.int6_keys = "none"
+        # KLT keys only where measured: one rank (a rank's KV heads would need their own tables)
+        bundle = windowed and int5 and self.parallel.tp == 1
+        if kv.key_transform == "auto":
+            kv.key_transform = "klt" if bundle and kv.int6_keys != "none" else "none"
+        klt = kv.key_transform == "klt"
+        if kv.int6_keys == "auto":
+            kv.int6_keys = "early" if bundle and klt else "none"
         int6 = kv.int6_keys == "early"
         if kv.int3_values == "auto":  # what pays for the INT6 keys
             kv.int3_values = AUTO_INT3_VALUES if int6 else 0.0
         if kv.recent_window == "auto":  # what keeps the plan at >= 3.5x on SmolLM2 (2048 tokens)
-            kv.recent_window = (11 if int6 else 10 if int5 else 7 if kv.key_transform == "klt" else 16) if auto else 0
+            kv.recent_window = (10 if int6 and klt else 11 if int6 else 10 if int5 else 7 if klt else 16) if auto else 0
         exact = bool(kv.sink_tokens or kv.recent_window)
-        klt = kv.key_transform == "klt"  # its tables take what FP8 or INT8 units would (as INT5 keys' bytes do)
+        # KLT tables take what FP8 or INT8 units would (as INT5 keys' bytes do)
         if kv.outlier_fraction == "auto":  # INT5 keys take the bytes FP8 units would (and beat them on SmolLM2)
             kv.outlier_fraction = 0.0 if int5 or klt else 0.01 if exact else 0.08
         if kv.retrieval_fraction == "auto":  # measured with the exact window, where the byte budget has room

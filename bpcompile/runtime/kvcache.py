@@ -550,11 +550,13 @@ PRECISIONS = (
                   lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
     UnitPrecision("klt5", 7, torch.uint8, lambda d: d * 5 // 8, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
                   lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
+    UnitPrecision("klt6", 8, torch.uint8, lambda d: d * 3 // 4, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
+                  lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
 )
 BY_CODE = {p.code: p for p in PRECISIONS}
 PRECISION_CODES = {p.name: p.code for p in PRECISIONS}
 INT4, FP8, INT8, INT5, INT6, INT3 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8", "int5", "int6", "int3"))
-KLT_PRECISIONS = {"klt4": 4, "klt5": 5}  # name -> payload bits per key element (the unit's bits sum to that * D)
+KLT_PRECISIONS = {"klt4": 4, "klt5": 5, "klt6": 6}  # name -> payload bits per key element (the unit's bits sum to that * D)
 # the basis in float16: its transpose must invert it closely (a systematic error there distorts every key alike:
 # INT8 rounding of it doubled SmolLM2's held-out KL), and half of float32's bytes count against the budget
 KLT_TABLE_DTYPES = {"bits": torch.int8, "basis": torch.float16}
@@ -647,9 +649,9 @@ class KVPlan:
         L, KV, D = self.num_layers, self.num_kv_heads, self.head_size
         if any(x in KLT_PRECISIONS for p in self.precision for x in p["v"]):
             raise UserError("KLT precisions are for key units only", key="precision")
-        if self.effective_group_size != D or D % 8:
-            raise UserError(f"KLT units take one scale per token: group size must equal the head size {D} (a "
-                            "multiple of 8)", key="kv_cache.group_size")
+        if D % 8:
+            raise UserError(f"KLT units pack bit planes of 8 coefficients: head size {D} is not a multiple of 8",
+                            key="precision")
         shapes = {"mean": (L, KV, D), "weight": (L, KV, D), "basis": (L, KV, D, D), "bits": (L, KV, D),
                   "step": (L, KV, D), "level": (L, KV, D), "inv_freq": (D // 2,)}
         for name, shape in shapes.items():
@@ -730,7 +732,8 @@ class KVPlan:
         d, g = self.head_size, self.effective_group_size
         if self.format == "fp16":
             return self.num_layers * self.num_kv_heads * 2 * 2 * d
-        return sum(BY_CODE[int(c)].payload_width(d) + 2 * (d // g) for c in self.unit_precision().flatten())
+        return sum(BY_CODE[int(c)].payload_width(d) + 2 * (1 if BY_CODE[int(c)].tabled else d // g)
+                   for c in self.unit_precision().flatten())
 
     def compression_vs_fp16(self, seq_len: Optional[int] = None, lookahead: int = 0) -> float:
         """FP16 bytes / this plan's bytes per cached token; with exact entries, their per-sequence copies are
@@ -828,7 +831,9 @@ class QuantKVStore(KVStore):
             n = int(counts.get(prec.code, 0))
             self.payload[prec.code] = torch.zeros(num_pages, n, page_size, prec.payload_width(D),
                                                   dtype=prec.payload_dtype, device=dev)
-            self.scales[prec.code] = torch.zeros(num_pages, n, page_size, D // G, dtype=torch.float16, device=dev)
+            # a KLT unit has one scale per token whatever the group size (its coefficients share one range)
+            self.scales[prec.code] = torch.zeros(num_pages, n, page_size, 1 if prec.tabled else D // G,
+                                                 dtype=torch.float16, device=dev)
         kcs = plan.k_channel_scale if plan.k_channel_scale is not None else torch.ones(L, KV, D)
         clip = plan.int4_clip if plan.int4_clip is not None else torch.ones(L, 2, KV)
         self.k_channel_scale = kcs.float().to(dev).contiguous()
