@@ -252,6 +252,31 @@ def test_all_layer_writes_equal_layer_by_layer_writes(rotation):
     assert torch.equal(f_one.k, f_every.k) and torch.equal(f_one.v, f_every.v)
 
 
+def test_all_layer_writes_equal_layer_by_layer_writes_with_klt_units():
+    """The same with KLT key units in some layers next to INT4 / INT5 keys and INT3 values: one transform of every
+    layer's KLT keys (stacked tables) stores the same bytes and positions and returns the same values."""
+    from dataclasses import replace
+
+    from bpcompile.runtime.kvcache import QuantKVStore
+
+    plan, _ = klt_plan(L=3, KV=2, D=16, seed=3)
+    plan = replace(plan, precision=[{"k": ["klt4", "klt4"], "v": ["int4", "int3"]},
+                                    {"k": ["int4", "int4"], "v": ["int4", "int4"]},
+                                    {"k": ["int5", "klt4"], "v": ["int3", "int4"]}])
+    g = torch.Generator().manual_seed(8)
+    slots, pos = torch.tensor([3, 17, 9, 30]), torch.tensor([5, 40, 7, 1000])
+    k, v = torch.randn(3, 4, 2, 16, generator=g) * 3, torch.randn(3, 4, 2, 16, generator=g)
+    one, every, decoded = (QuantKVStore(plan, num_pages=4, page_size=8) for _ in range(3))
+    per_layer = [one.write_read(layer, slots, k[layer], v[layer], positions=pos) for layer in range(3)]
+    every.write_layers(slots, k, v, pos)
+    kd, vd = decoded.write_read_layers(slots, k, v, pos)
+    for a, b, c in zip(one.pools(), every.pools(), decoded.pools()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(one.positions, every.positions) and torch.equal(one.positions, decoded.positions)
+    assert torch.equal(kd, torch.stack([x for x, _ in per_layer])) and torch.equal(vd, torch.stack([y for _, y in per_layer]))
+    assert all(torch.equal(every.read(layer, slots)[0], kd[layer]) for layer in range(3))
+
+
 def test_move_is_an_exact_copy():
     """Compaction after tree verification: moved bytes == bytes appended in order at the destination."""
     plan = mixed_plan()

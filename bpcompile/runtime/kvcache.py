@@ -866,22 +866,31 @@ class QuantKVStore(KVStore):
                  self._klt_tables(layer, units) if BY_CODE[c].tabled
                  else self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
                 for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
-        # the same over every layer's units at once (global unit id layer * 2 * KV + unit), for write_layers; KLT
-        # units take per-layer tables and positions, so a plan with them writes layer by layer
+        # the same over every layer's units at once (global unit id layer * 2 * KV + unit), for write_layers; a KLT
+        # group's tables are its units' rows of every layer, stacked
         prec = self.unit_precision.flatten().cpu()
-        self._all_groups = None if self._klt else [
+        self._all_groups = [
             (c, units.to(dev), self.unit_index.flatten()[units.to(dev)].long(),
-             self.int4_clip.flatten()[units.to(dev)][None, :, None])
+             self._klt_tables(units // (2 * KV), units % (2 * KV)) if BY_CODE[c].tabled
+             else self.int4_clip.flatten()[units.to(dev)][None, :, None])
             for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
+        # every KLT key unit of the plan as (layer, head), with its basis, weight and mean stacked: write_layers
+        # transforms them all in one product
+        if self._klt:
+            lh = [(layer, int(h)) for layer, (hi, *_) in self._klt.items() for h in hi.tolist()]
+            self._klt_all = (torch.tensor([x[0] for x in lh], device=dev), torch.tensor([x[1] for x in lh], device=dev),
+                             *(torch.cat([self._klt[layer][i] for layer in self._klt]) for i in (1, 2, 3)))
 
     def _dither(self, layer: int, units: torch.Tensor, p, o) -> torch.Tensor:
-        """KLT units' dither for slots (p, o): from their recorded positions and global unit ids (K units)."""
-        return klt_dither(self.positions[p, o], layer * 2 * self.num_kv_heads + units, self.head_size)
+        """KLT units' dither for slots (p, o): from their recorded positions and global unit ids (K units; layer -1:
+        `units` are global ids already)."""
+        return klt_dither(self.positions[p, o], max(layer, 0) * 2 * self.num_kv_heads + units, self.head_size)
 
-    def _klt_tables(self, layer: int, units: torch.Tensor) -> tuple:
+    def _klt_tables(self, layer, units: torch.Tensor) -> tuple:
         """A KLT group's codec tables: (bits, step, level [U, D], packing coefficient / bit [U, B]); the units are
-        key units (ids < KV on the stacked K|V axis, i.e. heads)."""
+        key units (ids < KV on the stacked K|V axis, i.e. heads) of `layer` (an int, or one layer per unit)."""
         t, heads = self.plan.klt, units.cpu()
+        layer = layer.cpu() if isinstance(layer, torch.Tensor) else layer
         bits = t["bits"][layer, heads].long()
         coef, shift = klt_pack_index(bits)
         dev = self.unit_precision.device
@@ -1012,11 +1021,10 @@ class QuantKVStore(KVStore):
     def _write_layers(self, slots, k, v, positions, decoded: bool):
         """Every layer's K/V in one transform, one encode per precision and one scatter per pool (a store
         written layer by layer costs ~15 small ops per layer: on CPU at decode they were a fifth of a step);
-        element for element the arithmetic of write/write_read. KLT plans go layer by layer."""
-        if self._all_groups is None:
-            return (super().write_read_layers if decoded else super().write_layers)(slots, k, v, positions)
+        element for element the arithmetic of write/write_read."""
         L, N, KV, D = k.shape
         p, o = self._split(slots)
+        positions = self._positions(p, o, positions)
         kf = k.float()
         if self.k_mean is not None:
             kf = kf - self.k_mean[:, None]
@@ -1024,18 +1032,26 @@ class QuantKVStore(KVStore):
             kf = kf / self.k_channel_scale[:, None]
         x = torch.cat([kf, v.float()], dim=2)  # [L, N, 2 * KV, D]
         x = x @ self._H if self._H is not None else x
+        if self._klt:  # KLT key units: their coefficients, (unrope(k) - mean) @ basis, as _transform computes them
+            ll, hh, V, weight, mean = self._klt_all
+            pre = rope_rotate(k[ll, :, hh].transpose(0, 1), positions, self.inv_freq, -1.0)  # [N, U, D]
+            x[ll, :, hh] = torch.einsum("nhd,hde->nhe", (pre - mean) * weight, V.float()).transpose(0, 1)
         x = x.transpose(0, 1).reshape(N, L * 2 * KV, D)
         out = torch.empty_like(x) if decoded else None
         self._quantize(x, -1, p, o, out, self._all_groups)
         if not decoded:
             return None
-        out = out.view(N, L, 2 * KV, D).transpose(0, 1)
+        z = out = out.view(N, L, 2 * KV, D).transpose(0, 1)
         out = out @ self._H if self._H is not None else out
         kk, vv = out[:, :, :KV], out[:, :, KV:]
         if self._has_kcs:
             kk = kk * self.k_channel_scale[:, None]
         if self.k_mean is not None:
             kk = kk + self.k_mean[:, None]
+        if self._klt:
+            pre = torch.einsum("nhe,hde->nhd", z[ll, :, hh].transpose(0, 1), V.float()) / weight + mean
+            kk = kk.clone()
+            kk[ll, :, hh] = rope_rotate(pre, positions, self.inv_freq, 1.0).transpose(0, 1)
         return kk.to(self.dtype), vv.to(self.dtype)
 
     def read(self, layer, slots):
