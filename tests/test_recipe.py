@@ -36,14 +36,16 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
 
 
 @pytest.mark.parametrize("target,executor,fmt,extra,want", [
-    # the default: a 10-position exact window, the keys of the middle third of the layers in INT5, nothing else
-    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
-    # KLT keys (opt-in) bring their plan: the first third's keys KLT6, the middle third's KLT5, two thirds of the value
-    # units (those outside the middle third) INT3, window 10
+    # the default: a 10-position exact window, the keys of the first third of the layers KLT6 (INT6's bytes), of the
+    # middle third KLT5, two thirds of the value units (those outside the middle third) INT3
+    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
     ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt"}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
+    # without KLT keys: the middle third's keys INT5, nothing else (the previous default)
+    ("native", "torch", "int4-fp8-outlier", {"key_transform": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
     # INT6 keys without the transform: window 11
-    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early"}, (0, 11, 0.0, 0.0, "middle", "early", 0.6667, "none")),
+    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early", "key_transform": "none"},
+     (0, 11, 0.0, 0.0, "middle", "early", 0.6667, "none")),
     # KLT keys without INT6 ones: the middle third's as KLT5, window 10; without INT5 keys either: KLT4, window 7
     ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int6_keys": "none"},
      (0, 10, 0.0, 0.0, "middle", "none", 0.0, "klt")),

@@ -149,6 +149,8 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
 
     from bpcompile.cli import main
     from bpcompile.runtime.kvcache import KVPlan
+    from bpcompile.runtime.model import ModelConfig
+    from bpcompile.runtime.paged_kv import allocated_compression
 
     recipe = yaml.safe_load((ROOT / "recipes" / "smollm2.yaml").read_text())
     recipe["models"]["verifier"]["path"] = str(VERIFIER)
@@ -159,14 +161,19 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     plan = KVPlan.load(Path(out["path"]) / "kv_plan")
-    # the recipe's autos on the native target: a 10-token FP16 window (no sink) and the keys of layers 10-19 (the
-    # middle third) in INT5, every other unit INT4; >= 3.5x with the window's copies counted at the recipe's 2048
-    # tokens and dynamic tree of 5 (6 entries a step)
+    # the recipe's autos on the native target: a 10-token FP16 window (no sink), the keys of layers 0-9 as KLT6 units
+    # and of layers 10-19 as KLT5 (INT6's and INT5's bytes), the value units outside layers 10-19 INT3, every other
+    # unit INT4; >= 3.5x with the window's copies counted at the recipe's 2048 tokens and dynamic tree of 5 (6
+    # entries a step), and in the runtime's pool of 8 sequences with the KLT tables
     assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 10)
     assert plan.compression_vs_fp16(2048, 6) >= 3.5
     wide = {(i, t, h, x) for i, layer in enumerate(plan.precision) for t in "kv" for h, x in enumerate(layer[t])
             if x != "int4"}
-    assert wide == {(i, "k", h, "int5") for i in range(10, 20) for h in range(3)}, wide
+    assert wide == ({(i, "k", h, "klt6") for i in range(10) for h in range(3)}
+                    | {(i, "k", h, "klt5") for i in range(10, 20) for h in range(3)}
+                    | {(i, "v", h, "int3") for i in range(30) if not 10 <= i < 20 for h in range(3)}), wide
+    vcfg = ModelConfig.from_trtllm(json.loads((Path(out["path"]) / "verifier" / "config.json").read_text()))
+    assert allocated_compression(plan, vcfg, 2048, 6, sequences=8) >= 3.5
     res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "What is the capital of France?",
                                     "--max-tokens", "16", "--json"])
     assert res.exit_code == 0, res.output

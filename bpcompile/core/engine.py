@@ -79,8 +79,8 @@ class KVCache(_Strict):
     int6_keys: Literal["auto", "early", "none"] = Field(
         "auto", description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
                             "to pay for them: read by the torch executor only). auto: early with INT5 keys and "
-                            "key_transform: klt at tp 1 (on SmolLM2 the three together kept passkey retrieval within "
-                            "2 points of FP16 KV's at every length), else none")
+                            "key_transform: klt at tp 1, the default there (on SmolLM2 the three together kept "
+                            "passkey retrieval within 2 points of FP16 KV's at every length), else none")
     int3_values: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
         "auto", description="share of the value units stored in INT3, the least sensitive first, those of the "
                             f"INT5 keys' layers last; auto: {AUTO_INT3_VALUES} with INT6 keys (the values outside "
@@ -92,7 +92,9 @@ class KVCache(_Strict):
                             "the same bytes per token plus a D x D table per unit (read by the torch executor only). "
                             "With INT5 keys and int6_keys' auto: the keys of the first third INT6, KLT6 / KLT5 in "
                             "layers 0-19 on SmolLM2, INT3 values outside the middle third (passkey within 2 points of "
-                            "FP16 KV's at every length, decode 0.64x of FP16 KV's). auto: none")
+                            "FP16 KV's at every length). auto: klt with INT5 keys at tp 1 unless int6_keys is none "
+                            "(the default on the native target with the torch executor), else none; none gives the "
+                            "INT5-keys plan")
 
     @model_validator(mode="after")
     def _bands_with_int4(self):
@@ -193,10 +195,9 @@ class EngineConfig(_Strict):
         auto = exact_ok and kv.format == "int4-fp8-outlier"
         if kv.sink_tokens == "auto":  # off: on SmolLM2 an exact sink cost passkey retrieval at 2k tokens
             kv.sink_tokens = 0
-        # key_transform: klt (opt-in) brings the rest of its plan (measured on SmolLM2 next to the exact window,
-        # docs/KV_FORMAT.md §6): the middle third's keys INT5, the first third's INT6, both stored as KLT units
-        # (KLT5 / KLT6), INT3 values outside the middle third; it kept passkey retrieval within 2 points of FP16
-        # KV's at every length, but its per-layer KLT writes cost decode speed, so the INT5-keys plan is the default
+        # the default plan (measured on SmolLM2 next to the exact window, docs/KV_FORMAT.md §6): the middle third's
+        # keys INT5, the first third's INT6, both stored as KLT units (KLT5 / KLT6), INT3 values outside the middle
+        # third; each band alone moved passkey retrieval at 2k or 4k away from FP16 KV's, the three together did not
         windowed = auto and kv.recent_window != 0
         if kv.int5_keys == "auto":
             kv.int5_keys = "middle" if windowed else "none"
@@ -204,7 +205,7 @@ class EngineConfig(_Strict):
         # KLT keys only where measured: one rank (a rank's KV heads would need their own tables)
         bundle = windowed and int5 and self.parallel.tp == 1
         if kv.key_transform == "auto":
-            kv.key_transform = "none"
+            kv.key_transform = "klt" if bundle and kv.int6_keys != "none" else "none"
         klt = kv.key_transform == "klt"
         if kv.int6_keys == "auto":
             kv.int6_keys = "early" if bundle and klt else "none"
