@@ -363,6 +363,21 @@ def klt_qmax(bits: torch.Tensor) -> torch.Tensor:
 _M32 = 0xFFFFFFFF
 
 
+def klt_coefficients(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, V: torch.Tensor,
+                     weight: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys k [N, U, D] of KLT units at positions [N] -> their coefficients ((unrope(k) - mean) * weight) @ V
+    (V, weight, mean: the units' tables, [U, D, D] / [U, D])."""
+    pre = rope_rotate(k, positions, inv_freq, -1.0)
+    return torch.einsum("nhd,hde->nhe", (pre - mean) * weight, V.float())
+
+
+def klt_keys(z: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, V: torch.Tensor, weight: torch.Tensor,
+             mean: torch.Tensor) -> torch.Tensor:
+    """klt_coefficients inverted: coefficients z [N, U, D] -> post-RoPE keys (float32)."""
+    pre = torch.einsum("nhe,hde->nhd", z, V.float()) / weight + mean
+    return rope_rotate(pre, positions, inv_freq, 1.0)
+
+
 def klt_dither(positions: torch.Tensor, units: torch.Tensor, D: int) -> torch.Tensor:
     """The subtractive dither of KLT coefficients: [N, U, D] float32 in [-0.5, 0.5], a fixed integer hash of (the
     token's position, the global unit id, the coefficient index), so writer and reader compute it alike.
@@ -969,9 +984,8 @@ class QuantKVStore(KVStore):
         kv = torch.cat([k, v.float()], dim=1)
         kv = kv @ self._H if self._H is not None else kv
         if layer in self._klt:
-            heads, V, weight, mean = self._klt[layer]
-            pre = rope_rotate(raw[:, heads], positions, self.inv_freq, -1.0)
-            kv[:, heads] = torch.einsum("nhd,hde->nhe", (pre - mean) * weight, V.float())
+            heads, *tables = self._klt[layer]
+            kv[:, heads] = klt_coefficients(raw[:, heads], positions, self.inv_freq, *tables)
         return kv
 
     def kernel_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -1033,9 +1047,9 @@ class QuantKVStore(KVStore):
         x = torch.cat([kf, v.float()], dim=2)  # [L, N, 2 * KV, D]
         x = x @ self._H if self._H is not None else x
         if self._klt:  # KLT key units: their coefficients, (unrope(k) - mean) @ basis, as _transform computes them
-            ll, hh, V, weight, mean = self._klt_all
-            pre = rope_rotate(k[ll, :, hh].transpose(0, 1), positions, self.inv_freq, -1.0)  # [N, U, D]
-            x[ll, :, hh] = torch.einsum("nhd,hde->nhe", (pre - mean) * weight, V.float()).transpose(0, 1)
+            ll, hh, *tables = self._klt_all
+            x[ll, :, hh] = klt_coefficients(k[ll, :, hh].transpose(0, 1), positions, self.inv_freq,
+                                            *tables).transpose(0, 1)
         x = x.transpose(0, 1).reshape(N, L * 2 * KV, D)
         out = torch.empty_like(x) if decoded else None
         self._quantize(x, -1, p, o, out, self._all_groups)
@@ -1049,9 +1063,8 @@ class QuantKVStore(KVStore):
         if self.k_mean is not None:
             kk = kk + self.k_mean[:, None]
         if self._klt:
-            pre = torch.einsum("nhe,hde->nhd", z[ll, :, hh].transpose(0, 1), V.float()) / weight + mean
             kk = kk.clone()
-            kk[ll, :, hh] = rope_rotate(pre, positions, self.inv_freq, 1.0).transpose(0, 1)
+            kk[ll, :, hh] = klt_keys(z[ll, :, hh].transpose(0, 1), positions, self.inv_freq, *tables).transpose(0, 1)
         return kk.to(self.dtype), vv.to(self.dtype)
 
     def read(self, layer, slots):
@@ -1071,10 +1084,9 @@ class QuantKVStore(KVStore):
         if self.k_mean is not None:
             k = k + self.k_mean[layer]
         if layer in self._klt:
-            heads, V, weight, mean = self._klt[layer]
-            pre = torch.einsum("nhe,hde->nhd", z[:, heads], V.float()) / weight + mean
+            heads, *tables = self._klt[layer]
             k = k.clone()
-            k[:, heads] = rope_rotate(pre, positions, self.inv_freq, 1.0)
+            k[:, heads] = klt_keys(z[:, heads], positions, self.inv_freq, *tables)
         return k.to(self.dtype), v.to(self.dtype)
 
     def move(self, src, dst):
