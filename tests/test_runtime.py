@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bpcompile.core.errors import UserError
-from bpcompile.kernels import cpu_rows
+from bpcompile.kernels import cpu_decode, cpu_rows
 from bpcompile.runtime.kvcache import FloatKVStore
 from bpcompile.runtime.model import FeatureDraft, Llama, ModelConfig, causal_attend, cpu_packing_works
 from bpcompile.commands import generate_text
@@ -92,6 +92,83 @@ def test_rows_kernel_builds_into_its_cache_and_falls_back(tmp_path):
     assert run(BPCOMPILE_CACHE=str(tmp_path / "b"), CC="/bin/false") == "False"
     assert list((tmp_path / "b").iterdir()) == []
     assert run(BPCOMPILE_CACHE=str(tmp_path / "c"), BPCOMPILE_CPU_ROWS="0") == "False"
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
+def test_one_query_kernel_attends_as_float64_does():
+    """bpcompile's one-query attention kernel (decode at batch 1 on CPU): against a float64 softmax attention over
+    the same cache, for head sizes its vector path takes (64, 128) and others (16, 40), GQA groups of 1-4 heads,
+    lengths below, at and past a multiple of 16 (a few thousand: the threaded path), scores large enough to
+    overflow a softmax without its max shift; the new entry lands at n - 1 of the addressed layer and row only,
+    FP16-rounded when asked; other entries and rows stay as they were; a bad shape is refused."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(9, 3, 64, 1), (9, 3, 64, 16), (9, 3, 64, 37), (8, 2, 128, 300), (4, 4, 16, 33), (6, 2, 40, 17),
+             (9, 3, 64, 2500), (4, 1, 128, 48)]
+    for H, KV, D, n in cases:
+        for round16 in (False, True):
+            L, R, S = 2, 3, n + 5
+            k, v = torch.randn(L, R, KV, S, D, generator=g), torch.randn(L, R, KV, S, D, generator=g)
+            q = torch.randn(H, D, generator=g) * (6.0 if n == 37 else 1.0)  # n 37: scores in the hundreds
+            kn, vn = torch.randn(KV, D, generator=g), torch.randn(KV, D, generator=g)
+            k0, v0 = k.clone(), v.clone()
+            out = cpu_decode.attend_one(q, kn, vn, k, v, n, round16, at=(1, 2))
+            want_k, want_v = (t.half().float() if round16 else t for t in (kn, vn))
+            assert torch.equal(k[1, 2, :, n - 1], want_k) and torch.equal(v[1, 2, :, n - 1], want_v)
+            k0[1, 2, :, n - 1], v0[1, 2, :, n - 1] = want_k, want_v
+            assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing else written
+            kd, vd = (t[1, 2, :, :n].double().repeat_interleave(H // KV, 0) for t in (k, v))
+            ref = (torch.softmax(q.double()[:, None] @ kd.transpose(1, 2) * D ** -0.5, -1) @ vd)[:, 0]
+            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (H, KV, D, n, (out - ref).abs().max())
+    k = torch.zeros(1, 4, 16)
+    assert torch.equal(cpu_decode.attend_one(torch.ones(2, 16), None, None, k, k, 4, False), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="bad shape"):
+        cpu_decode.attend_one(torch.ones(3, 16), None, None, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), 4, False)
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
+def test_one_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
+    """Verifier-only decoding at batch 1 over a float cache (FP16 and the model's float32) takes the one-query
+    kernel at every step after the prompt (counted); the dense view it writes holds what the store holds; its tokens
+    equal the PyTorch path's (kernel off) and an uncached recompute's, the cached entries the same to float32
+    rounding. Batches and trees keep the PyTorch path."""
+    from bpcompile.runtime import executor as executor_mod
+    from bpcompile.runtime.paged_kv import float_store_factory
+
+    calls = []
+    real = cpu_decode.attend_one
+    monkeypatch.setattr(executor_mod.cpu_decode, "attend_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for dtype in (torch.float16, torch.float32):
+        runs = []
+        for kernel in (True, False):
+            gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4,
+                            kv_store_factory=float_store_factory(dtype))
+            assert gen.v_exec.one_query_kernel
+            gen.v_exec.one_query_kernel = kernel
+            del calls[:]
+            gen.add_request(PROMPTS[3], SamplingParams(max_tokens=20), request_id="r")
+            for _ in range(8):
+                gen.step()
+            r, kv = gen.running["r"], gen.vkv
+            assert len(calls) == (8 - 1) * CFG.num_layers * kernel  # the first step is the prompt's
+            slots = torch.tensor([kv.slot("r", i) for i in range(r.v_len)])
+            cache = []
+            for layer in range(CFG.num_layers):  # the dense view the kernel wrote holds what the store holds
+                ks, vs = kv.store.read(layer, slots)
+                dk, dv = kv.dense.read(layer, [kv.rows["r"]], r.v_len)
+                assert torch.equal(dk[0].transpose(0, 1), ks.float()) and torch.equal(dv[0].transpose(0, 1), vs.float())
+                cache += [ks.float(), vs.float()]
+            runs.append((list(r.tokens), cache))
+        assert runs[0][0] == runs[1][0]  # the same tokens; entries equal to the attention's float32 rounding
+        tol = 1e-4 if dtype == torch.float32 else 2e-3  # (which can move an FP16 entry by one unit in its last place)
+        for a, b in zip(runs[0][1], runs[1][1]):
+            assert torch.allclose(a, b, rtol=tol, atol=tol), (dtype, (a - b).abs().max())
+    gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=float_store_factory(torch.float16))
+    (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
+    assert toks == plain_greedy(pair[0], PROMPTS[1], 16)
+    del calls[:]
+    gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=2, page_size=4, backoff=False)
+    gen.generate(PROMPTS[:2], SamplingParams(max_tokens=8))
+    assert gen.v_exec.one_query_kernel and not calls  # tree verifies: several queries a step
 
 
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from bpcompile.kernels import cpu_decode
 from bpcompile.kernels.tree_mask import pack_rows
 from bpcompile.runtime.model import Llama, causal_attend
 from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, dense_attention, exact_reads, paged_attention
@@ -27,6 +28,11 @@ class Executor:
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
         self.hidden: Optional[torch.Tensor] = None
+        # one query over a float cache on CPU (batch-1 decode): bpcompile's kernel writes and attends in one call
+        store = kv.store
+        self.one_query_kernel = (kv.dense is not None and kv.dense.plain and kv.dense.dtype == torch.float32
+                                 and torch.device(device).type == "cpu" and store.dtype in (torch.float16, torch.float32)
+                                 and cpu_decode.available())
 
     def _call(self, name: str, *args):
         if self.peers is not None:
@@ -124,7 +130,8 @@ class Executor:
                 hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
             elif kv.recent is not None:
                 exact = self._exact_last(rows[0], N)
-            attn = ("dense", at, rows, N, hidden, exact)
+            one = hidden is None and exact is None and self.one_query_kernel and writes[0] == [N - 1]
+            attn = ("dense", at, rows, N, hidden, exact, one)
         else:
             attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
                                        torch.tensor(tree_lens, device=dev),
@@ -177,8 +184,16 @@ class Executor:
         kv, (B, T) = self.kv, tok.shape
         flat_pos = pos.reshape(-1)
         if attn[0] == "dense":
-            _, at, rows, N, hidden, exact = attn
+            _, at, rows, N, hidden, exact, one = attn
             kv.dense.reserve(dense_width)
+            round16 = kv.store.dtype == torch.float16
+
+            def attend_one(layer, q, k, v):  # the store's part as below; the kernel writes the dense view
+                H, KV, D = q.shape[2], k.shape[2], q.shape[3]
+                k, v = k.view(KV, D), v.view(KV, D)
+                kv.write(layer, flat, k[None], v[None], None, flat_pos)
+                return cpu_decode.attend_one(q.view(H, D), k, v, kv.dense.k, kv.dense.v, N, round16,
+                                             at=(layer, rows[0])).view(1, 1, H, D)
 
             def attend(layer, q, k, v):
                 kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
@@ -198,6 +213,8 @@ class Executor:
                          positions=flat_pos)
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
+        if attn[0] == "dense" and one:
+            attend = attend_one
         # a step's queries read its own entries' exact copies when the plan's window holds the whole step
         with kv.batched_writes(own_exact=kv.recent is not None and kv.recent.window >= T):
             return self._model(tok, pos, attend, feats, rows=logit_rows)
