@@ -71,15 +71,19 @@ def test_rows_kernel_products():
         cpu_rows.rows_matmul(torch.randn(cpu_rows.MAX_ROWS + 1, 16), torch.randn(4, 16))
 
 
-@pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
-def test_rows_kernel_builds_into_its_cache_and_falls_back(tmp_path):
-    """A fresh process builds the kernel into $BPCOMPILE_CACHE (one shared object, no temporary left); a compiler
-    that fails, or BPCOMPILE_CPU_ROWS=0, leaves it unavailable (callers keep PyTorch's products) without an error."""
+@pytest.mark.parametrize("kernel,switch", [("cpu_rows", "BPCOMPILE_CPU_ROWS"), ("cpu_decode", "BPCOMPILE_CPU_DECODE")])
+def test_cpu_kernels_build_into_their_cache_and_fall_back(tmp_path, kernel, switch):
+    """A fresh process builds a CPU kernel (the few-row products, the one-query attention) into $BPCOMPILE_CACHE
+    (one shared object, no temporary left); a compiler that fails, or its switch at 0, leaves it unavailable
+    (callers keep PyTorch's ops) without an error."""
+    import importlib
     import os
     import subprocess
     import sys
 
-    probe = "from bpcompile.kernels import cpu_rows; print(cpu_rows.available())"
+    if not importlib.import_module(f"bpcompile.kernels.{kernel}").available():
+        pytest.skip(f"{kernel} cannot be built here (no C compiler, or no AVX-512 for cpu_rows)")
+    probe = f"from bpcompile.kernels import {kernel}; print({kernel}.available())"
 
     def run(**env):
         out = subprocess.run([sys.executable, "-c", probe], env=os.environ | env, capture_output=True, text=True,
@@ -88,60 +92,93 @@ def test_rows_kernel_builds_into_its_cache_and_falls_back(tmp_path):
         return out.stdout.strip()
 
     assert run(BPCOMPILE_CACHE=str(tmp_path / "a")) == "True"
-    assert [p.suffix for p in (tmp_path / "a").iterdir()] == [".so"]
+    assert [(p.name.split("-")[0], p.suffix) for p in (tmp_path / "a").iterdir()] == [(kernel, ".so")]
     assert run(BPCOMPILE_CACHE=str(tmp_path / "b"), CC="/bin/false") == "False"
     assert list((tmp_path / "b").iterdir()) == []
-    assert run(BPCOMPILE_CACHE=str(tmp_path / "c"), BPCOMPILE_CPU_ROWS="0") == "False"
+    assert run(BPCOMPILE_CACHE=str(tmp_path / "c"), **{switch: "0"}) == "False"
 
 
 @pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
-def test_one_query_kernel_attends_as_float64_does():
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_one_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
     """bpcompile's one-query attention kernel (decode at batch 1 on CPU): against a float64 softmax attention over
-    the same cache, for head sizes its vector path takes (64, 128) and others (16, 40), GQA groups of 1-4 heads,
-    lengths below, at and past a multiple of 16 (a few thousand: the threaded path), scores large enough to
-    overflow a softmax without its max shift; the new entry lands at n - 1 of the addressed layer and row only,
-    FP16-rounded when asked; other entries and rows stay as they were; a bad shape is refused."""
+    the same entries, for head sizes its vector path takes (64, 128) and others (16, 40), GQA groups of 1-4 heads,
+    runs below, at and past a multiple of 16 (a few thousand: the threaded path), scores large enough to overflow a
+    softmax without its max shift, a float32 run alone or with columns of an FP16 cache (a plan's exact copies),
+    or the columns alone. The new entry lands where asked only (entry n - 1 of the float32 cache, FP16-rounded when
+    asked, or its column of the FP16 cache), in the addressed layer and row; a bad shape is refused. Built for this
+    CPU and for x86-64-v3 (AVX2, no AVX-512: the portable C path)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if build == "portable":
+        cc = shutil.which("cc") or shutil.which("gcc")
+        so = tmp_path / "portable.so"
+        subprocess.run([cc, "-O3", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", str(cpu_decode.SOURCE), "-o",
+                        str(so)], check=True, capture_output=True, timeout=120)
+        monkeypatch.setattr(cpu_decode, "_lib", lambda: cpu_decode.bind(ctypes.CDLL(str(so))))
     g = torch.Generator().manual_seed(0)
     cases = [(9, 3, 64, 1), (9, 3, 64, 16), (9, 3, 64, 37), (8, 2, 128, 300), (4, 4, 16, 33), (6, 2, 40, 17),
              (9, 3, 64, 2500), (4, 1, 128, 48)]
     for H, KV, D, n in cases:
-        for round16 in (False, True):
-            L, R, S = 2, 3, n + 5
+        for mode in ("float", "float16", "exact", "exact only"):
+            L, R, S, C = 2, 3, n + 5, 14
             k, v = torch.randn(L, R, KV, S, D, generator=g), torch.randn(L, R, KV, S, D, generator=g)
+            kh, vh = torch.randn(L, R, KV, C, D, generator=g).half(), torch.randn(L, R, KV, C, D, generator=g).half()
             q = torch.randn(H, D, generator=g) * (6.0 if n == 37 else 1.0)  # n 37: scores in the hundreds
             kn, vn = torch.randn(KV, D, generator=g), torch.randn(KV, D, generator=g)
-            k0, v0 = k.clone(), v.clone()
-            out = cpu_decode.attend_one(q, kn, vn, k, v, n, round16, at=(1, 2))
-            want_k, want_v = (t.half().float() if round16 else t for t in (kn, vn))
-            assert torch.equal(k[1, 2, :, n - 1], want_k) and torch.equal(v[1, 2, :, n - 1], want_v)
-            k0[1, 2, :, n - 1], v0[1, 2, :, n - 1] = want_k, want_v
-            assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing else written
-            kd, vd = (t[1, 2, :, :n].double().repeat_interleave(H // KV, 0) for t in (k, v))
+            before = [t.clone() for t in (k, v, kh, vh)]
+            if mode.startswith("exact"):
+                a0 = 0 if mode == "exact only" else n // 3
+                cols = torch.randperm(C, generator=g)[:5]
+                out = cpu_decode.attend_one(q, k, v, (1, 2), (a0, a0 if mode == "exact only" else n),
+                                            exact=(kh, vh, cols), new=(kn, vn), write=int(cols[2]))
+                before[2][1, 2, :, cols[2]], before[3][1, 2, :, cols[2]] = kn.half(), vn.half()
+                keys = torch.cat((k[1, 2, :, a0:n if mode == "exact" else a0], kh[1, 2][:, cols].float()), 1)
+                vals = torch.cat((v[1, 2, :, a0:n if mode == "exact" else a0], vh[1, 2][:, cols].float()), 1)
+            else:
+                out = cpu_decode.attend_one(q, k, v, (1, 2), (0, n), new=(kn, vn), write=n - 1,
+                                            round16=mode == "float16")
+                before[0][1, 2, :, n - 1], before[1][1, 2, :, n - 1] = (t.half().float() if mode == "float16" else t
+                                                                        for t in (kn, vn))
+                keys, vals = k[1, 2, :, :n], v[1, 2, :, :n]
+            assert all(torch.equal(x, y) for x, y in zip((k, v, kh, vh), before))  # written there, nothing else
+            kd, vd = (t.double().repeat_interleave(H // KV, 0) for t in (keys, vals))
             ref = (torch.softmax(q.double()[:, None] @ kd.transpose(1, 2) * D ** -0.5, -1) @ vd)[:, 0]
-            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (H, KV, D, n, (out - ref).abs().max())
+            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (H, KV, D, n, mode, (out - ref).abs().max())
     k = torch.zeros(1, 4, 16)
-    assert torch.equal(cpu_decode.attend_one(torch.ones(2, 16), None, None, k, k, 4, False), torch.zeros(2, 16))
+    assert torch.equal(cpu_decode.attend_one(torch.ones(2, 16), k, k, (), (0, 4)), torch.zeros(2, 16))
     with pytest.raises(ValueError, match="bad shape"):
-        cpu_decode.attend_one(torch.ones(3, 16), None, None, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), 4, False)
+        cpu_decode.attend_one(torch.ones(3, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), (), (0, 4))
+    with pytest.raises(ValueError, match="bad shape"):
+        cpu_decode.attend_one(torch.ones(2, 16), k, k, (), (0, 0))
 
 
 @pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
 def test_one_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
-    """Verifier-only decoding at batch 1 over a float cache (FP16 and the model's float32) takes the one-query
-    kernel at every step after the prompt (counted); the dense view it writes holds what the store holds; its tokens
-    equal the PyTorch path's (kernel off) and an uncached recompute's, the cached entries the same to float32
-    rounding. Batches and trees keep the PyTorch path."""
+    """Verifier-only decoding at batch 1 takes the one-query kernel at every step after the prompt (counted), over
+    a float cache (FP16, float32) and over a plan's INT4 codes with exact entries (sink and recent window, written
+    by the kernel into their FP16 copies); its tokens equal the PyTorch path's (kernel off) and, for the float
+    caches, an uncached recompute's; the dense view holds what the store holds; stored entries and exact copies
+    equal the PyTorch path's to float32 rounding of the attention (one unit in the last place of an FP16 or INT4
+    code). Batches and trees keep the PyTorch path."""
     from bpcompile.runtime import executor as executor_mod
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
     from bpcompile.runtime.paged_kv import float_store_factory
 
+    c = pair[0].cfg
     calls = []
     real = cpu_decode.attend_one
     monkeypatch.setattr(executor_mod.cpu_decode, "attend_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for dtype in (torch.float16, torch.float32):
+    int4 = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
+    factories = {"fp16": float_store_factory(torch.float16), "fp32": float_store_factory(torch.float32),
+                 "int4 sink 1 window 3": kv_store_factory(replace(int4, sink_tokens=1, recent_window=3)),
+                 "int4 window 8": kv_store_factory(replace(int4, recent_window=8))}
+    for name, factory in factories.items():
         runs = []
         for kernel in (True, False):
-            gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4,
-                            kv_store_factory=float_store_factory(dtype))
+            gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=factory)
             assert gen.v_exec.one_query_kernel
             gen.v_exec.one_query_kernel = kernel
             del calls[:]
@@ -149,20 +186,23 @@ def test_one_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
             for _ in range(8):
                 gen.step()
             r, kv = gen.running["r"], gen.vkv
-            assert len(calls) == (8 - 1) * CFG.num_layers * kernel  # the first step is the prompt's
+            assert len(calls) == (8 - 1) * c.num_layers * kernel  # the first step is the prompt's
             slots = torch.tensor([kv.slot("r", i) for i in range(r.v_len)])
             cache = []
-            for layer in range(CFG.num_layers):  # the dense view the kernel wrote holds what the store holds
+            for layer in range(c.num_layers):  # the dense view holds what the store holds
                 ks, vs = kv.store.read(layer, slots)
                 dk, dv = kv.dense.read(layer, [kv.rows["r"]], r.v_len)
                 assert torch.equal(dk[0].transpose(0, 1), ks.float()) and torch.equal(dv[0].transpose(0, 1), vs.float())
                 cache += [ks.float(), vs.float()]
+            if kv.recent is not None:
+                cache += [kv.recent.k.float(), kv.recent.v.float()]
             runs.append((list(r.tokens), cache))
-        assert runs[0][0] == runs[1][0]  # the same tokens; entries equal to the attention's float32 rounding
-        tol = 1e-4 if dtype == torch.float32 else 2e-3  # (which can move an FP16 entry by one unit in its last place)
+        assert runs[0][0] == runs[1][0], name
+        tol = 1e-4 if name == "fp32" else 2e-3 if name == "fp16" else 0.1  # an INT4 step of these values: ~0.3
         for a, b in zip(runs[0][1], runs[1][1]):
-            assert torch.allclose(a, b, rtol=tol, atol=tol), (dtype, (a - b).abs().max())
-    gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=float_store_factory(torch.float16))
+            assert torch.allclose(a, b, rtol=tol, atol=tol), (name, (a - b).abs().max())
+            assert name.startswith("fp") or (a != b).float().mean() < 0.01, name
+    gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=factories["fp16"])
     (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
     assert toks == plain_greedy(pair[0], PROMPTS[1], 16)
     del calls[:]

@@ -1,15 +1,19 @@
-/* One decode query's attention on CPU: append the token's key and value to its sequence's float32 cache, then
- * attend over entries [0, n) with grouped query heads, in one call. Why hand-written: at batch 1 the PyTorch
- * path is a dozen small ops a layer (index writes, views, two batched products, a softmax) whose dispatch costs
- * more than their arithmetic (on an Intel Xeon at 2 threads ~75 us a layer for a few hundred entries of
- * SmolLM2, 2 ms of a 37 ms step); this does the same arithmetic in a few microseconds.
+/* One decode query's attention on CPU, in one call: put the token's key and value into its sequence's cache,
+ * then attend over its entries with grouped query heads. Why hand-written: at batch 1 the PyTorch path is one
+ * to two dozen small ops a layer (index writes, views, batched products, a softmax; with a plan's exact entries
+ * a gather and a concatenation too) whose dispatch costs more than their arithmetic (on an Intel Xeon at 2
+ * threads ~50-100 us a layer for a few hundred entries of SmolLM2, 2-3 ms of a 35-40 ms step); this does the
+ * same arithmetic in 5-15 us.
  *
- * q: [H, D]; knew, vnew: [KV, D] or NULL (nothing to append); K, V: [KV, S, D] float32 with head stride hs
- * (floats), entry j of head g at K + g * hs + j * D; query head h reads KV head h / (H / KV). round16: the new
- * entries are rounded through IEEE half precision, so that the cache holds what an FP16 store would return.
- * out: [H, D]. Scores are q . k * scale in float32, a max-subtracted softmax in float32, then the weighted sum
- * of values: PyTorch's arithmetic, summed in another order. Built with -fopenmp: it shares PyTorch's OpenMP
- * runtime and takes its thread count. */
+ * The entries are a run [a0, a1) of a float32 cache K, V [KV, S, D] (head stride hs floats: entry j of head g at
+ * K + g * hs + j * D) followed by m columns cols[] of an FP16 cache Kh, Vh [KV, C, D] (head stride hsh): a
+ * plan's dense copy of its stored codes and its exact FP16 copies (sink and recent window); either may be
+ * empty. knew, vnew [KV, D] (or NULL): the new entry, written first at entry wa of the float32 cache (wa >= 0;
+ * rounded through IEEE half precision when round16, so that it holds what an FP16 store returns) or at column
+ * wb of the FP16 cache (wb >= 0). q: [H, D], query head h reads KV head h / (H / KV); out: [H, D]. Scores are
+ * q . k * scale in float32, a max-subtracted softmax in float32, then the weighted sum of values: PyTorch's
+ * arithmetic, summed in another order. Built with -fopenmp: it shares PyTorch's OpenMP runtime and takes its
+ * thread count. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,12 +25,36 @@
 
 #if defined(__FLT16_MAX__)
 static inline float half_round(float x) { return (float)(_Float16)x; }
+static inline uint16_t to_half(float x)
+{
+    _Float16 h = (_Float16)x;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+static inline float from_half(uint16_t u)
+{
+    _Float16 h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
 #elif defined(__F16C__)
 #include <immintrin.h>
 static inline float half_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+static inline uint16_t to_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+static inline float from_half(uint16_t u) { return _cvtsh_ss(u); }
 #else
 #error "cpu_decode needs _Float16 or F16C"
 #endif
+
+/* the entries one KV head reads: a run of a float32 cache and columns of an FP16 one */
+typedef struct {
+    const float *K, *V; /* at the run's first entry */
+    long na;
+    const uint16_t *Kh, *Vh;
+    const long *cols;
+    long m;
+} entries;
 
 /* e^x for x <= 0 (a softmax's shifted scores), to about 2 ulp: Cephes' expf polynomial with a power of two
  * put into the exponent bits. Plain arithmetic so that the compiler vectorizes it (libm's expf is a call per
@@ -82,25 +110,26 @@ static inline __m512 exp_neg16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* the rep query heads of one KV head over its n entries, D a multiple of 16 known at compile time (the call
- * sites pass 64 and 128) so that a query and its accumulators stay in registers. Keys and values are taken a
- * block at a time for every head of the group: a block is read from memory once and by the other heads from
- * the L1 cache (reading each entry once per query head made the kernel bound by L2 bandwidth). w: rep x n. */
-static inline __attribute__((always_inline)) void group16(const float *q, const float *K, const float *V, long n,
-                                                          const int D, int rep, float scale, float *w, float *out)
+/* the rep query heads of one KV head over its entries, D a multiple of 16 known at compile time (the call sites
+ * pass 64 and 128) so that a query and its accumulators stay in registers. The run is taken a block at a time for
+ * every head of the group: a block is read from memory once and by the other heads from the L1 cache (reading
+ * each entry once per query head made the kernel bound by L2 bandwidth). w: rep x (na + m). */
+static inline __attribute__((always_inline)) void group16(const float *q, entries e, const int D, int rep,
+                                                          float scale, float *w, float *out)
 {
     enum { BLK = 32 };
     const int B = D / 16;
+    const long na = e.na, n = e.na + e.m;
     float m[rep], sum[rep];
     for (int r = 0; r < rep; r++) m[r] = -INFINITY;
     __m512 acc[16];
     long j = 0;
-    for (; j + 16 <= n; j += 16) /* 16 scores at a time */
+    for (; j + 16 <= na; j += 16) /* 16 scores at a time */
         for (int r = 0; r < rep; r++) {
             __m512 qv[B];
             for (int b = 0; b < B; b++) qv[b] = _mm512_mul_ps(_mm512_loadu_ps(q + r * D + 16 * b), _mm512_set1_ps(scale));
             for (int i = 0; i < 16; i++) {
-                const float *k = K + (j + i) * D;
+                const float *k = e.K + (j + i) * D;
                 acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
                 for (int b = 1; b < B; b++) acc[i] = _mm512_fmadd_ps(qv[b], _mm512_loadu_ps(k + 16 * b), acc[i]);
             }
@@ -108,23 +137,27 @@ static inline __attribute__((always_inline)) void group16(const float *q, const 
             m[r] = fmaxf(m[r], _mm512_reduce_max_ps(sc));
             _mm512_storeu_ps(w + r * n + j, sc);
         }
-    for (; j < n; j++)
+    for (; j < n; j++) { /* the run's tail, then the FP16 columns */
+        __m512 kv[B];
+        for (int b = 0; b < B; b++)
+            kv[b] = j < na ? _mm512_loadu_ps(e.K + j * D + 16 * b)
+                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(e.Kh + e.cols[j - na] * D + 16 * b)));
         for (int r = 0; r < rep; r++) {
             __m512 a = _mm512_setzero_ps();
             for (int b = 0; b < B; b++)
-                a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(q + r * D + 16 * b), _mm512_set1_ps(scale)),
-                                    _mm512_loadu_ps(K + j * D + 16 * b), a);
+                a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(q + r * D + 16 * b), _mm512_set1_ps(scale)), kv[b], a);
             float s = _mm512_reduce_add_ps(a);
             w[r * n + j] = s;
             m[r] = s > m[r] ? s : m[r];
         }
+    }
     for (int r = 0; r < rep; r++) {
         float *wr = w + r * n;
         __m512 sv = _mm512_setzero_ps();
         for (j = 0; j + 16 <= n; j += 16) {
-            __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(wr + j), _mm512_set1_ps(m[r])));
-            sv = _mm512_add_ps(sv, e);
-            _mm512_storeu_ps(wr + j, e);
+            __m512 x = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(wr + j), _mm512_set1_ps(m[r])));
+            sv = _mm512_add_ps(sv, x);
+            _mm512_storeu_ps(wr + j, x);
         }
         sum[r] = _mm512_reduce_add_ps(sv);
         for (; j < n; j++) {
@@ -134,8 +167,8 @@ static inline __attribute__((always_inline)) void group16(const float *q, const 
     }
     for (int r = 0; r < rep; r++)
         for (int b = 0; b < B; b++) _mm512_storeu_ps(out + r * D + 16 * b, _mm512_setzero_ps());
-    for (long j0 = 0; j0 < n; j0 += BLK) {
-        long j1 = j0 + BLK < n ? j0 + BLK : n;
+    for (long j0 = 0; j0 < na; j0 += BLK) {
+        long j1 = j0 + BLK < na ? j0 + BLK : na;
         for (int r = 0; r < rep; r++) {
             const float *wr = w + r * n;
             __m512 o[2][B]; /* two entries in flight: one accumulator chain would wait on each FMA's latency */
@@ -147,13 +180,23 @@ static inline __attribute__((always_inline)) void group16(const float *q, const 
                 for (int u = 0; u < 2; u++) {
                     __m512 p = _mm512_set1_ps(wr[j + u]);
                     for (int b = 0; b < B; b++)
-                        o[u][b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + (j + u) * D + 16 * b), o[u][b]);
+                        o[u][b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(e.V + (j + u) * D + 16 * b), o[u][b]);
                 }
             if (j < j1) {
                 __m512 p = _mm512_set1_ps(wr[j]);
-                for (int b = 0; b < B; b++) o[0][b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + j * D + 16 * b), o[0][b]);
+                for (int b = 0; b < B; b++) o[0][b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(e.V + j * D + 16 * b), o[0][b]);
             }
             for (int b = 0; b < B; b++) _mm512_storeu_ps(out + r * D + 16 * b, _mm512_add_ps(o[0][b], o[1][b]));
+        }
+    }
+    for (j = 0; j < e.m; j++) {
+        __m512 vv[B];
+        for (int b = 0; b < B; b++)
+            vv[b] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(e.Vh + e.cols[j] * D + 16 * b)));
+        for (int r = 0; r < rep; r++) {
+            __m512 p = _mm512_set1_ps(w[r * n + na + j]);
+            for (int b = 0; b < B; b++)
+                _mm512_storeu_ps(out + r * D + 16 * b, _mm512_fmadd_ps(p, vv[b], _mm512_loadu_ps(out + r * D + 16 * b)));
         }
     }
     for (int r = 0; r < rep; r++)
@@ -163,15 +206,21 @@ static inline __attribute__((always_inline)) void group16(const float *q, const 
 }
 #endif
 
-static void one_head(const float *q, const float *K, const float *V, long n, int D, float scale, float *w,
-                     float *out)
+/* key or value j of the entries, as float32 */
+static inline float at(const float *F, const uint16_t *Hh, const long *cols, long na, long j, int D, int d)
 {
+    return j < na ? F[j * D + d] : from_half(Hh[cols[j - na] * D + d]);
+}
+
+static void one_head(const float *q, entries e, int D, float scale, float *w, float *out)
+{
+    const long n = e.na + e.m;
     float qs[256], o[256] = {0};
     for (int d = 0; d < D; d++) qs[d] = q[d] * scale;
     float m = -INFINITY;
     for (long j = 0; j < n; j++) {
         float s = 0.0f;
-        for (int d = 0; d < D; d++) s += qs[d] * K[j * D + d];
+        for (int d = 0; d < D; d++) s += qs[d] * at(e.K, e.Kh, e.cols, e.na, j, D, d);
         w[j] = s;
         m = s > m ? s : m;
     }
@@ -181,22 +230,30 @@ static void one_head(const float *q, const float *K, const float *V, long n, int
         sum += w[j];
     }
     for (long j = 0; j < n; j++)
-        for (int d = 0; d < D; d++) o[d] += w[j] * V[j * D + d];
+        for (int d = 0; d < D; d++) o[d] += w[j] * at(e.V, e.Vh, e.cols, e.na, j, D, d);
     for (int d = 0; d < D; d++) out[d] = o[d] / sum;
 }
 
-int bpc_decode_attention(const float *q, const float *knew, const float *vnew, float *K, float *V, long hs, long n,
-                         int H, int KV, int D, float scale, int round16, float *out, int threads)
+int bpc_decode_attention(const float *q, int H, int KV, int D, float scale, float *K, float *V, long hs, long a0,
+                         long a1, uint16_t *Kh, uint16_t *Vh, long hsh, const long *cols, long m, const float *knew,
+                         const float *vnew, long wa, long wb, int round16, float *out, int threads)
 {
-    if (n < 1 || KV < 1 || H % KV || D < 1 || D > 256)
+    if (KV < 1 || H % KV || D < 1 || D > 256 || a0 < 0 || a1 < a0 || m < 0 || a1 - a0 + m < 1)
         return 1;
     if (knew != NULL)
         for (int g = 0; g < KV; g++)
             for (int d = 0; d < D; d++) {
                 float k = knew[g * D + d], v = vnew[g * D + d];
-                K[g * hs + (n - 1) * D + d] = round16 ? half_round(k) : k;
-                V[g * hs + (n - 1) * D + d] = round16 ? half_round(v) : v;
+                if (wa >= 0) {
+                    K[g * hs + wa * D + d] = round16 ? half_round(k) : k;
+                    V[g * hs + wa * D + d] = round16 ? half_round(v) : v;
+                }
+                if (wb >= 0) {
+                    Kh[g * hsh + wb * D + d] = to_half(k);
+                    Vh[g * hsh + wb * D + d] = to_half(v);
+                }
             }
+    const long n = a1 - a0 + m;
     int rep = H / KV, bad = 0;
     /* a few hundred entries: forking threads costs more than it saves */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && KV > 1 && n * H * D >= (1L << 18))
@@ -207,16 +264,18 @@ int bpc_decode_attention(const float *q, const float *knew, const float *vnew, f
             bad = 1;
             continue;
         }
-        const float *qg = q + g * rep * D, *Kg = K + g * hs, *Vg = V + g * hs;
+        entries e = {K + g * hs + a0 * D, V + g * hs + a0 * D, a1 - a0,
+                     m ? Kh + g * hsh : NULL, m ? Vh + g * hsh : NULL, cols, m};
+        const float *qg = q + g * rep * D;
         float *og = out + g * rep * D;
 #ifdef __AVX512F__
         if (D == 64)
-            group16(qg, Kg, Vg, n, 64, rep, scale, w, og);
+            group16(qg, e, 64, rep, scale, w, og);
         else if (D == 128)
-            group16(qg, Kg, Vg, n, 128, rep, scale, w, og);
+            group16(qg, e, 128, rep, scale, w, og);
         else
 #endif
-            for (int r = 0; r < rep; r++) one_head(qg + r * D, Kg, Vg, n, D, scale, w, og + r * D);
+            for (int r = 0; r < rep; r++) one_head(qg + r * D, e, D, scale, w, og + r * D);
         free(w);
     }
     return bad ? 2 : 0;

@@ -18,10 +18,13 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 @functools.cache
 def _lib() -> Optional[ctypes.CDLL]:
     lib = cbuild.load(SOURCE, "BPCOMPILE_CPU_DECODE")
-    if lib is None:
-        return None
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.bpc_decode_attention.argtypes = [p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, f, i, p, i]
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernel's C signature on a loaded build of SOURCE."""
+    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    lib.bpc_decode_attention.argtypes = [p, i, i, i, f, p, p, n, n, n, p, p, n, p, n, p, p, n, n, i, p, i]
     lib.bpc_decode_attention.restype = ctypes.c_int
     return lib
 
@@ -32,31 +35,45 @@ def available() -> bool:
     if _lib() is None:
         return False
     g = torch.Generator().manual_seed(0)
-    H, KV, S, D, n = 6, 2, 40, 20, 37  # D not a multiple of 16: the scalar tail
+    H, KV, S, D = 6, 2, 40, 20  # D not a multiple of 16: the scalar tail
     q, kn, vn = torch.randn(H, D, generator=g), torch.randn(KV, D, generator=g), torch.randn(KV, D, generator=g)
     k, v = torch.randn(KV, S, D, generator=g), torch.randn(KV, S, D, generator=g)
-    out = attend_one(q, kn, vn, k, v, n, round16=False)
-    k[:, n - 1], v[:, n - 1] = kn, vn
-    kd, vd = (t[:, :n].double().repeat_interleave(H // KV, 0) for t in (k, v))
+    out = attend_one(q, k, v, (), (0, 37), new=(kn, vn), write=36)
+    k[:, 36], v[:, 36] = kn, vn
+    kd, vd = (t[:, :37].double().repeat_interleave(H // KV, 0) for t in (k, v))
     ref = torch.softmax(q.double()[:, None] @ kd.transpose(1, 2) * D ** -0.5, -1) @ vd
     return torch.allclose(out.double(), ref[:, 0], rtol=1e-5, atol=1e-5)
 
 
-def attend_one(q: torch.Tensor, knew: Optional[torch.Tensor], vnew: Optional[torch.Tensor], k: torch.Tensor,
-               v: torch.Tensor, n: int, round16: bool, at: tuple[int, ...] = (),
+def _at(t: torch.Tensor, at: tuple[int, ...]) -> int:
+    """The address of t[at] (leading indices), without making a view."""
+    return t.data_ptr() + t.element_size() * sum(i * t.stride(d) for d, i in enumerate(at))
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: tuple[int, ...], run: tuple[int, int], *,
+               exact: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+               new: Optional[tuple[torch.Tensor, torch.Tensor]] = None, write: int = -1, round16: bool = False,
                scale: Optional[float] = None) -> torch.Tensor:
-    """Write knew, vnew [KV, D] (None: nothing) at entry n - 1 of the cache k[at], v[at] ([KV, S, D]; rounded
-    through FP16 when round16), then attend the query heads q [H, D] over entries [0, n) -> [H, D] (query head h
-    reads KV head h // (H / KV)). at: leading indices into k and v (a dense cache's layer and row), so no view is
-    made. All float32 on CPU; q, knew, vnew contiguous, k and v contiguous in their last two dims (the caller
-    checks these; `available()` first). scale: of the scores (default D^-0.5)."""
+    """The query heads q [H, D] over entries run = [a0, a1) of the float32 cache k[at], v[at] ([KV, S, D]; at:
+    leading indices, a dense cache's layer and row) and, with exact = (kh, vh, cols), columns cols [M] (int64) of
+    the FP16 cache kh[at], vh[at] ([KV, C, D]) -> [H, D]; query head h reads KV head h // (H / KV). new = (knew,
+    vnew) [KV, D]: first written at column `write` of the FP16 cache when exact is given, else at entry `write` of
+    the float32 one (rounded through FP16 when round16). On CPU; q, knew, vnew, cols contiguous, the caches
+    contiguous in their last two dims (the caller checks these; `available()` first). scale: of the scores
+    (default D^-0.5)."""
     H, D = q.shape
     KV = k.shape[len(at)]
-    off = 4 * sum(i * k.stride(d) for d, i in enumerate(at))
+    kh, vh, cols = exact if exact is not None else (None, None, None)
+    knew, vnew = new if new is not None else (None, None)
     out = torch.empty(H, D)
-    if _lib().bpc_decode_attention(q.data_ptr(), None if knew is None else knew.data_ptr(),
-                                   None if vnew is None else vnew.data_ptr(), k.data_ptr() + off, v.data_ptr() + off,
-                                   k.stride(len(at)), n, H, KV, D, D ** -0.5 if scale is None else scale,
-                                   int(round16), out.data_ptr(), torch.get_num_threads()):
-        raise ValueError(f"cpu_decode: bad shape (H {H}, KV {KV}, D {D}, n {n}) or out of memory")
+    if _lib().bpc_decode_attention(
+            q.data_ptr(), H, KV, D, D ** -0.5 if scale is None else scale, _at(k, at), _at(v, at),
+            k.stride(len(at)), run[0], run[1],
+            None if kh is None else _at(kh, at), None if vh is None else _at(vh, at),
+            0 if kh is None else kh.stride(len(at)), None if cols is None else cols.data_ptr(),
+            0 if cols is None else cols.numel(), None if knew is None else knew.data_ptr(),
+            None if vnew is None else vnew.data_ptr(), -1 if exact is not None else write,
+            write if exact is not None else -1, int(round16), out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"cpu_decode: bad shape (H {H}, KV {KV}, D {D}, entries {run} and "
+                         f"{0 if cols is None else cols.numel()} exact) or out of memory")
     return out

@@ -28,10 +28,12 @@ class Executor:
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
         self.hidden: Optional[torch.Tensor] = None
-        # one query over a float cache on CPU (batch-1 decode): bpcompile's kernel writes and attends in one call
-        store = kv.store
-        self.one_query_kernel = (kv.dense is not None and kv.dense.plain and kv.dense.dtype == torch.float32
-                                 and torch.device(device).type == "cpu" and store.dtype in (torch.float16, torch.float32)
+        # one query on CPU (batch-1 decode) over a float32 dense view: bpcompile's kernel puts the new entry into
+        # the float cache (a float store) or the exact copies (a plan with a recent window) and attends in one call
+        self.one_query_kernel = (kv.dense is not None and kv.dense.dtype == torch.float32
+                                 and torch.device(device).type == "cpu"
+                                 and ((kv.dense.plain and kv.store.dtype in (torch.float16, torch.float32))
+                                      or (kv.recent is not None and kv.recent.window >= 1))
                                  and cpu_decode.available())
 
     def _call(self, name: str, *args):
@@ -130,7 +132,8 @@ class Executor:
                 hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
             elif kv.recent is not None:
                 exact = self._exact_last(rows[0], N)
-            one = hidden is None and exact is None and self.one_query_kernel and writes[0] == [N - 1]
+            one = (hidden is None and self.one_query_kernel and writes[0] == [N - 1]
+                   and (exact is None) == (kv.recent is None))
             attn = ("dense", at, rows, N, hidden, exact, one)
         else:
             attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
@@ -186,25 +189,36 @@ class Executor:
         if attn[0] == "dense":
             _, at, rows, N, hidden, exact, one = attn
             kv.dense.reserve(dense_width)
-            round16 = kv.store.dtype == torch.float16
+            if one:  # one query: bpcompile's kernel (the store's part as below; the kernel writes the rest)
+                round16 = kv.dense.plain and kv.store.dtype == torch.float16
+                row = rows[0]
+                if exact is not None:  # the new entry goes to its exact copy; the stored run is read from the view
+                    rec, cut, cols = kv.recent, exact[3], exact[1][0].contiguous()
+                    col = N - 1 if N - 1 < rec.sink else rec.sink + (N - 1 - rec.sink) % rec.ring
 
-            def attend_one(layer, q, k, v):  # the store's part as below; the kernel writes the dense view
-                H, KV, D = q.shape[2], k.shape[2], q.shape[3]
-                k, v = k.view(KV, D), v.view(KV, D)
-                kv.write(layer, flat, k[None], v[None], None, flat_pos)
-                return cpu_decode.attend_one(q.view(H, D), k, v, kv.dense.k, kv.dense.v, N, round16,
-                                             at=(layer, rows[0])).view(1, 1, H, D)
-
-            def attend(layer, q, k, v):
-                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
-                kd, vd = kv.dense.read(layer, rows, N)
-                if exact is None:
-                    return dense_attention(q, kd, vd, hidden)
-                e_rows, e_cols, hidden_e, cut = exact
-                if cut is not None:  # one query: the stored entries it reads are a contiguous run
-                    kd, vd = kd[:, :, cut[0]:cut[1]], vd[:, :, cut[0]:cut[1]]
-                ek, ev = kv.recent.read(layer, e_rows, e_cols, q.dtype)
-                return dense_attention(q, kd, vd, hidden, exact=(ek, ev, hidden_e))
+                def attend(layer, q, k, v):
+                    H, KV, D = q.shape[2], k.shape[2], q.shape[3]
+                    k, v = k.view(KV, D), v.view(KV, D)
+                    kv.write(layer, flat, k[None], v[None], at, flat_pos, written=True)
+                    if exact is None:
+                        o = cpu_decode.attend_one(q.view(H, D), kv.dense.k, kv.dense.v, (layer, row), (0, N),
+                                                  new=(k, v), write=N - 1, round16=round16)
+                    else:
+                        o = cpu_decode.attend_one(q.view(H, D), kv.dense.k, kv.dense.v, (layer, row), cut,
+                                                  exact=(rec.k, rec.v, cols), new=(k, v), write=col)
+                    return o.view(1, 1, H, D)
+            else:
+                def attend(layer, q, k, v):
+                    kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at,
+                             flat_pos)
+                    kd, vd = kv.dense.read(layer, rows, N)
+                    if exact is None:
+                        return dense_attention(q, kd, vd, hidden)
+                    e_rows, e_cols, hidden_e, cut = exact
+                    if cut is not None:  # one query: the stored entries it reads are a contiguous run
+                        kd, vd = kd[:, :, cut[0]:cut[1]], vd[:, :, cut[0]:cut[1]]
+                    ek, ev = kv.recent.read(layer, e_rows, e_cols, q.dtype)
+                    return dense_attention(q, kd, vd, hidden, exact=(ek, ev, hidden_e))
         else:
             batch = attn[1]
 
@@ -213,8 +227,6 @@ class Executor:
                          positions=flat_pos)
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
-        if attn[0] == "dense" and one:
-            attend = attend_one
         # a step's queries read its own entries' exact copies when the plan's window holds the whole step
         with kv.batched_writes(own_exact=kv.recent is not None and kv.recent.window >= T):
             return self._model(tok, pos, attend, feats, rows=logit_rows)

@@ -255,18 +255,21 @@ class PagedKV:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-              positions: Optional[torch.Tensor] = None) -> None:
+              positions: Optional[torch.Tensor] = None, written: bool = False) -> None:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
-        view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N]);
-        dense_at None with a float store's dense view: the caller has written it (the one-query kernel).
-        Inside `batched_writes` the store's part waits for the end of the forward."""
+        view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N]).
+        Inside `batched_writes` the store's part waits for the end of the forward. written: inside it, the caller
+        has put the entries into a float store's dense view and the exact copies itself (the one-query kernel)."""
         if self._pending is not None:
             self._pending.append((layer, k, v, slots, dense_at, positions))
-            if self.dense.plain and dense_at is not None:  # what the store will hold, now: attention reads it
+            if written:
+                return
+            if self.dense.plain:  # what the store will hold, now: this forward's attention reads it
                 self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
             if self.recent is not None:
                 self.recent.write(layer, *dense_at, k, v)
             return
+        assert not written, "written=True outside batched_writes"
         self._write_now(layer, slots, k, v, dense_at, positions)
 
     def _write_now(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -276,8 +279,7 @@ class PagedKV:
             write_kv(self.store, layer, slots, k, v, self.kern, positions)
         elif self.dense.plain:
             self.store.write(layer, slots, k, v, positions)
-            if dense_at is not None:
-                self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
+            self.dense.write(layer, *dense_at, k.to(self.store.dtype), v.to(self.store.dtype))
         else:  # the store decodes what it just wrote (what a read of those slots would return)
             self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v, positions))
         if recent and self.recent is not None:
