@@ -100,12 +100,13 @@ def test_cpu_kernels_build_into_their_cache_and_fall_back(tmp_path, kernel, swit
 
 @pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
 @pytest.mark.parametrize("build", ["native", "portable"])
-def test_one_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
-    """bpcompile's one-query attention kernel (decode at batch 1 on CPU): against a float64 softmax attention over
-    the same entries, for head sizes its vector path takes (64, 128) and others (16, 40), GQA groups of 1-4 heads,
+def test_few_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
+    """bpcompile's few-query attention kernel (decode and tree verify at batch 1 on CPU): against a float64 softmax
+    attention over the same entries, for head sizes its vector path takes (64, 128) and others (16, 40), GQA groups of 1-4 heads,
     runs below, at and past a multiple of 16 (a few thousand: the threaded path), scores large enough to overflow a
     softmax without its max shift, a float32 run alone or with columns of an FP16 cache (a plan's exact copies),
-    or the columns alone. The new entry lands where asked only (entry n - 1 of the float32 cache, FP16-rounded when
+    or the columns alone; one query, or a tree of six each seeing a random subset (one of them nothing: zeros).
+    The new entries land where asked only (entry n - 1 of the float32 cache, FP16-rounded when
     asked, or its column of the FP16 cache), in the addressed layer and row; a bad shape is refused. Built for this
     CPU and for x86-64-v3 (AVX2, no AVX-512: the portable C path)."""
     import ctypes
@@ -121,56 +122,70 @@ def test_one_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     cases = [(9, 3, 64, 1), (9, 3, 64, 16), (9, 3, 64, 37), (8, 2, 128, 300), (4, 4, 16, 33), (6, 2, 40, 17),
              (9, 3, 64, 2500), (4, 1, 128, 48)]
-    for H, KV, D, n in cases:
-        for mode in ("float", "float16", "exact", "exact only"):
-            L, R, S, C = 2, 3, n + 5, 14
-            k, v = torch.randn(L, R, KV, S, D, generator=g), torch.randn(L, R, KV, S, D, generator=g)
-            kh, vh = torch.randn(L, R, KV, C, D, generator=g).half(), torch.randn(L, R, KV, C, D, generator=g).half()
-            q = torch.randn(H, D, generator=g) * (6.0 if n == 37 else 1.0)  # n 37: scores in the hundreds
-            kn, vn = torch.randn(KV, D, generator=g), torch.randn(KV, D, generator=g)
-            before = [t.clone() for t in (k, v, kh, vh)]
-            if mode.startswith("exact"):
-                a0 = 0 if mode == "exact only" else n // 3
-                cols = torch.randperm(C, generator=g)[:5]
-                out = cpu_decode.attend_one(q, k, v, (1, 2), (a0, a0 if mode == "exact only" else n),
-                                            exact=(kh, vh, cols), new=(kn, vn), write=int(cols[2]))
-                before[2][1, 2, :, cols[2]], before[3][1, 2, :, cols[2]] = kn.half(), vn.half()
-                keys = torch.cat((k[1, 2, :, a0:n if mode == "exact" else a0], kh[1, 2][:, cols].float()), 1)
-                vals = torch.cat((v[1, 2, :, a0:n if mode == "exact" else a0], vh[1, 2][:, cols].float()), 1)
-            else:
-                out = cpu_decode.attend_one(q, k, v, (1, 2), (0, n), new=(kn, vn), write=n - 1,
-                                            round16=mode == "float16")
-                before[0][1, 2, :, n - 1], before[1][1, 2, :, n - 1] = (t.half().float() if mode == "float16" else t
-                                                                        for t in (kn, vn))
-                keys, vals = k[1, 2, :, :n], v[1, 2, :, :n]
-            assert all(torch.equal(x, y) for x, y in zip((k, v, kh, vh), before))  # written there, nothing else
-            kd, vd = (t.double().repeat_interleave(H // KV, 0) for t in (keys, vals))
-            ref = (torch.softmax(q.double()[:, None] @ kd.transpose(1, 2) * D ** -0.5, -1) @ vd)[:, 0]
-            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (H, KV, D, n, mode, (out - ref).abs().max())
+    for (H, KV, D, n), mode in [(c, m) for c in cases for m in ("float", "float16", "exact", "exact only")] + [
+            (c, "tree") for c in cases[2:]]:
+        L, R, S, C = 2, 3, n + 5, 14
+        T = 6 if mode == "tree" else 1
+        k, v = torch.randn(L, R, KV, S, D, generator=g), torch.randn(L, R, KV, S, D, generator=g)
+        kh, vh = torch.randn(L, R, KV, C, D, generator=g).half(), torch.randn(L, R, KV, C, D, generator=g).half()
+        q = torch.randn(T, H, D, generator=g) * (6.0 if n == 37 else 1.0)  # n 37: scores in the hundreds
+        kn, vn = torch.randn(T, KV, D, generator=g), torch.randn(T, KV, D, generator=g)
+        before = [t.clone() for t in (k, v, kh, vh)]
+        mask = None
+        if mode.startswith("exact"):
+            a0 = 0 if mode == "exact only" else n // 3
+            cols = torch.randperm(C, generator=g)[:5]
+            out = cpu_decode.attend(q, k, v, (1, 2), (a0, a0 if mode == "exact only" else n), exact=(kh, vh, cols),
+                                    new=(kn, vn), write=cols[2:3].clone())
+            before[2][1, 2, :, cols[2]], before[3][1, 2, :, cols[2]] = kn[0].half(), vn[0].half()
+            keys = torch.cat((k[1, 2, :, a0:n if mode == "exact" else a0], kh[1, 2][:, cols].float()), 1)
+            vals = torch.cat((v[1, 2, :, a0:n if mode == "exact" else a0], vh[1, 2][:, cols].float()), 1)
+        else:  # one query at the end, or a tree of six: each sees a random subset of the run, one of them nothing
+            widx = torch.arange(n - T, n) if T <= n else torch.randperm(n, generator=g)[:T]
+            if mode == "tree":
+                mask = torch.rand(T, n, generator=g) < 0.7
+                mask[3] = False
+            out = cpu_decode.attend(q, k, v, (1, 2), (0, n), mask=mask, new=(kn, vn), write=widx,
+                                    round16=mode == "float16")
+            for i in range(T):
+                before[0][1, 2, :, widx[i]], before[1][1, 2, :, widx[i]] = (
+                    t.half().float() if mode == "float16" else t for t in (kn[i], vn[i]))
+            keys, vals = k[1, 2, :, :n], v[1, 2, :, :n]
+        assert all(torch.equal(x, y) for x, y in zip((k, v, kh, vh), before))  # written there, nothing else
+        kd, vd = (t.double().repeat_interleave(H // KV, 0) for t in (keys, vals))  # [H, n, D]
+        s = torch.einsum("thd,hnd->thn", q.double(), kd) * D ** -0.5
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None], float("-inf"))
+        ref = torch.einsum("thn,hnd->thd", torch.softmax(s, -1).nan_to_num(0.0), vd)
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (H, KV, D, n, mode, (out - ref).abs().max())
+        if mask is not None:
+            assert torch.equal(out[3], torch.zeros(H, D))
     k = torch.zeros(1, 4, 16)
-    assert torch.equal(cpu_decode.attend_one(torch.ones(2, 16), k, k, (), (0, 4)), torch.zeros(2, 16))
+    assert torch.equal(cpu_decode.attend(torch.ones(1, 2, 16), k, k, (), (0, 4)), torch.zeros(1, 2, 16))
     with pytest.raises(ValueError, match="bad shape"):
-        cpu_decode.attend_one(torch.ones(3, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), (), (0, 4))
+        cpu_decode.attend(torch.ones(1, 3, 16), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), (), (0, 4))
     with pytest.raises(ValueError, match="bad shape"):
-        cpu_decode.attend_one(torch.ones(2, 16), k, k, (), (0, 0))
+        cpu_decode.attend(torch.ones(1, 2, 16), k, k, (), (0, 0))
 
 
 @pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
-def test_one_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
-    """Verifier-only decoding at batch 1 takes the one-query kernel at every step after the prompt (counted), over
+def test_few_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
+    """Verifier-only decoding at batch 1 takes the few-query kernel at every step after the prompt (counted), over
     a float cache (FP16, float32) and over a plan's INT4 codes with exact entries (sink and recent window, written
     by the kernel into their FP16 copies); its tokens equal the PyTorch path's (kernel off) and, for the float
     caches, an uncached recompute's; the dense view holds what the store holds; stored entries and exact copies
     equal the PyTorch path's to float32 rounding of the attention (one unit in the last place of an FP16 or INT4
-    code). Batches and trees keep the PyTorch path."""
+    code). Speculation at batch 1 over a float cache verifies trees with it too (several queries a call), with
+    tokens equal to the PyTorch path's (and, float32, to plain greedy); a plan's tree steps and batches keep the
+    PyTorch path."""
     from bpcompile.runtime import executor as executor_mod
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
     from bpcompile.runtime.paged_kv import float_store_factory
 
     c = pair[0].cfg
     calls = []
-    real = cpu_decode.attend_one
-    monkeypatch.setattr(executor_mod.cpu_decode, "attend_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu_decode.attend
+    monkeypatch.setattr(executor_mod.cpu_decode, "attend", lambda *a, **kw: calls.append((a[0].shape[0], a[1])) or real(*a, **kw))
     int4 = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
     factories = {"fp16": float_store_factory(torch.float16), "fp32": float_store_factory(torch.float32),
                  "int4 sink 1 window 3": kv_store_factory(replace(int4, sink_tokens=1, recent_window=3)),
@@ -179,8 +194,8 @@ def test_one_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
         runs = []
         for kernel in (True, False):
             gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=factory)
-            assert gen.v_exec.one_query_kernel
-            gen.v_exec.one_query_kernel = kernel
+            assert gen.v_exec.few_query_kernel
+            gen.v_exec.few_query_kernel = kernel
             del calls[:]
             gen.add_request(PROMPTS[3], SamplingParams(max_tokens=20), request_id="r")
             for _ in range(8):
@@ -205,10 +220,21 @@ def test_one_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
     gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=factories["fp16"])
     (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
     assert toks == plain_greedy(pair[0], PROMPTS[1], 16)
+    for name in ("fp32", "fp16", "int4 sink 1 window 3"):  # trees at batch 1: the kernel verifies (and drafts)
+        outs = []                                          # over a float cache; a plan's tree steps keep PyTorch's
+        for kernel in (True, False):
+            gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=1, page_size=4, backoff=False,
+                            kv_store_factory=factories[name])
+            gen.v_exec.few_query_kernel = gen.d_exec.few_query_kernel = kernel
+            del calls[:]
+            outs.append([t for p in PROMPTS[:2] for t, _ in gen.generate([p], SamplingParams(max_tokens=16))])
+            trees = [t for t, cache in calls if t > 1 and cache is gen.vkv.dense.k]  # the verifier's tree calls
+            assert bool(trees) == (kernel and name.startswith("fp")), (name, kernel)
+        assert outs[0] == outs[1] and (name != "fp32" or outs[0] == [plain_greedy(pair[0], p, 16) for p in PROMPTS[:2]])
     del calls[:]
     gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=2, page_size=4, backoff=False)
     gen.generate(PROMPTS[:2], SamplingParams(max_tokens=8))
-    assert gen.v_exec.one_query_kernel and not calls  # tree verifies: several queries a step
+    assert gen.v_exec.few_query_kernel and not [1 for _, cache in calls if cache is gen.vkv.dense.k]  # a batch of two
 
 
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")

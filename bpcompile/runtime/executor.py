@@ -28,9 +28,10 @@ class Executor:
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
         self.hidden: Optional[torch.Tensor] = None
-        # one query on CPU (batch-1 decode) over a float32 dense view: bpcompile's kernel puts the new entry into
-        # the float cache (a float store) or the exact copies (a plan with a recent window) and attends in one call
-        self.one_query_kernel = (kv.dense is not None and kv.dense.dtype == torch.float32
+        # a few queries of one sequence on CPU (a batch-1 decode step or tree verify) over a float32 dense view:
+        # bpcompile's kernel puts the new entries into the float cache (a float store) or the exact copies (a plan
+        # with a recent window, decode steps only) and attends in one call
+        self.few_query_kernel = (kv.dense is not None and kv.dense.dtype == torch.float32
                                  and torch.device(device).type == "cpu"
                                  and ((kv.dense.plain and kv.store.dtype in (torch.float16, torch.float32))
                                       or (kv.recent is not None and kv.recent.window >= 1))
@@ -123,18 +124,23 @@ class Executor:
             hidden = exact = None
             rep = model.cfg.num_heads // model.cfg.num_kv_heads
             last = positions[0][0] == N - 1  # one new token at the end of its sequence (decode)
+            few = self.few_query_kernel and B == 1 and len(writes[0]) == T <= cpu_decode.MAX_QUERIES
+            kmask = None
             if B > 1 or T > 1 or mask is not None or (kv.recent is not None and not last):
                 batch = AttnBatch(None, torch.tensor(ctx, device=dev), torch.tensor(tree_lens, device=dev), None,
                                   mask, kv.ps)
                 visible = batch.visible(T, N)
-                if kv.recent is not None:
+                if kv.recent is not None:  # the kernel takes a plan's exact entries at decode steps only
                     visible, exact = self._exact_columns(visible, pos, writes, ctx, tree_lens, rows, rep)
-                hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
+                    few = False
+                if few:
+                    kmask = visible[0].contiguous()
+                else:
+                    hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
             elif kv.recent is not None:
                 exact = self._exact_last(rows[0], N)
-            one = (hidden is None and self.one_query_kernel and writes[0] == [N - 1]
-                   and (exact is None) == (kv.recent is None))
-            attn = ("dense", at, rows, N, hidden, exact, one)
+                few = few and writes[0] == [N - 1]
+            attn = ("dense", at, rows, N, hidden, exact, (kmask,) if few else None)
         else:
             attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
                                        torch.tensor(tree_lens, device=dev),
@@ -187,26 +193,24 @@ class Executor:
         kv, (B, T) = self.kv, tok.shape
         flat_pos = pos.reshape(-1)
         if attn[0] == "dense":
-            _, at, rows, N, hidden, exact, one = attn
+            _, at, rows, N, hidden, exact, few = attn
             kv.dense.reserve(dense_width)
-            if one:  # one query: bpcompile's kernel (the store's part as below; the kernel writes the rest)
+            if few is not None:  # bpcompile's kernel (the store's part as below; the kernel writes the rest)
+                kmask, = few
                 round16 = kv.dense.plain and kv.store.dtype == torch.float16
-                row = rows[0]
-                if exact is not None:  # the new entry goes to its exact copy; the stored run is read from the view
-                    rec, cut, cols = kv.recent, exact[3], exact[1][0].contiguous()
-                    col = N - 1 if N - 1 < rec.sink else rec.sink + (N - 1 - rec.sink) % rec.ring
+                row, run, widx = rows[0], (0, N), at[1]
+                if exact is not None:  # decode: the new entry goes to its exact copy, the stored run is read
+                    rec, run, cols = kv.recent, exact[3], exact[1][0].contiguous()
+                    widx = rec.column(widx)
 
                 def attend(layer, q, k, v):
                     H, KV, D = q.shape[2], k.shape[2], q.shape[3]
-                    k, v = k.view(KV, D), v.view(KV, D)
-                    kv.write(layer, flat, k[None], v[None], at, flat_pos, written=True)
-                    if exact is None:
-                        o = cpu_decode.attend_one(q.view(H, D), kv.dense.k, kv.dense.v, (layer, row), (0, N),
-                                                  new=(k, v), write=N - 1, round16=round16)
-                    else:
-                        o = cpu_decode.attend_one(q.view(H, D), kv.dense.k, kv.dense.v, (layer, row), cut,
-                                                  exact=(rec.k, rec.v, cols), new=(k, v), write=col)
-                    return o.view(1, 1, H, D)
+                    k, v = k.reshape(T, KV, D).contiguous(), v.reshape(T, KV, D).contiguous()  # views of qkv rows
+                    kv.write(layer, flat, k, v, at, flat_pos, written=True)
+                    o = cpu_decode.attend(q.reshape(T, H, D).contiguous(), kv.dense.k, kv.dense.v, (layer, row), run,
+                                          exact=None if exact is None else (rec.k, rec.v, cols), mask=kmask,
+                                          new=(k, v), write=widx, round16=round16)
+                    return o.view(1, T, H, D)
             else:
                 def attend(layer, q, k, v):
                     kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at,
