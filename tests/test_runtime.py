@@ -73,7 +73,7 @@ def test_rows_kernel_products():
 
 @pytest.mark.parametrize("kernel,switch", [("cpu_rows", "BPCOMPILE_CPU_ROWS"), ("cpu_decode", "BPCOMPILE_CPU_DECODE")])
 def test_cpu_kernels_build_into_their_cache_and_fall_back(tmp_path, kernel, switch):
-    """A fresh process builds a CPU kernel (the few-row products, the one-query attention) into $BPCOMPILE_CACHE
+    """A fresh process builds a CPU kernel (the few-row products, the few-query attention) into $BPCOMPILE_CACHE
     (one shared object, no temporary left); a compiler that fails, or its switch at 0, leaves it unavailable
     (callers keep PyTorch's ops) without an error."""
     import importlib
@@ -98,7 +98,7 @@ def test_cpu_kernels_build_into_their_cache_and_fall_back(tmp_path, kernel, swit
     assert run(BPCOMPILE_CACHE=str(tmp_path / "c"), **{switch: "0"}) == "False"
 
 
-@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the few-query attention kernel is off")
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_few_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
     """bpcompile's few-query attention kernel (decode and tree verify at batch 1 on CPU): against a float64 softmax
@@ -168,7 +168,7 @@ def test_few_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
         cpu_decode.attend(torch.ones(1, 2, 16), k, k, (), (0, 0))
 
 
-@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the one-query attention kernel is off")
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler here: the few-query attention kernel is off")
 def test_few_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
     """Verifier-only decoding at batch 1 takes the few-query kernel at every step after the prompt (counted), over
     a float cache (FP16, float32) and over a plan's INT4 codes with exact entries (sink and recent window, written

@@ -259,7 +259,7 @@ class PagedKV:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
         view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N]).
         Inside `batched_writes` the store's part waits for the end of the forward. written: inside it, the caller
-        has put the entries into a float store's dense view and the exact copies itself (the one-query kernel)."""
+        has put the entries into a float store's dense view and the exact copies itself (the few-query kernel)."""
         if self._pending is not None:
             self._pending.append((layer, k, v, slots, dense_at, positions))
             if written:
