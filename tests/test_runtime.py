@@ -175,9 +175,9 @@ def test_few_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
     by the kernel into their FP16 copies); its tokens equal the PyTorch path's (kernel off) and, for the float
     caches, an uncached recompute's; the dense view holds what the store holds; stored entries and exact copies
     equal the PyTorch path's to float32 rounding of the attention (one unit in the last place of an FP16 or INT4
-    code). Speculation at batch 1 over a float cache verifies trees with it too (several queries a call), with
-    tokens equal to the PyTorch path's (and, float32, to plain greedy); a plan's tree steps and batches keep the
-    PyTorch path."""
+    code). Over a float cache, batches of sequences (a call per sequence, prompts of different lengths) and tree
+    verifies (several queries a call), alone and batched, take it too, with tokens equal to the PyTorch path's
+    (and, float32, to plain greedy); a plan's tree steps and batches keep the PyTorch path."""
     from bpcompile.runtime import executor as executor_mod
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
     from bpcompile.runtime.paged_kv import float_store_factory
@@ -220,21 +220,28 @@ def test_few_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
     gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=factories["fp16"])
     (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
     assert toks == plain_greedy(pair[0], PROMPTS[1], 16)
-    for name in ("fp32", "fp16", "int4 sink 1 window 3"):  # trees at batch 1: the kernel verifies (and drafts)
-        outs = []                                          # over a float cache; a plan's tree steps keep PyTorch's
-        for kernel in (True, False):
-            gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=1, page_size=4, backoff=False,
-                            kv_store_factory=factories[name])
-            gen.v_exec.few_query_kernel = gen.d_exec.few_query_kernel = kernel
-            del calls[:]
-            outs.append([t for p in PROMPTS[:2] for t, _ in gen.generate([p], SamplingParams(max_tokens=16))])
-            trees = [t for t, cache in calls if t > 1 and cache is gen.vkv.dense.k]  # the verifier's tree calls
-            assert bool(trees) == (kernel and name.startswith("fp")), (name, kernel)
-        assert outs[0] == outs[1] and (name != "fp32" or outs[0] == [plain_greedy(pair[0], p, 16) for p in PROMPTS[:2]])
-    del calls[:]
-    gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=2, page_size=4, backoff=False)
-    gen.generate(PROMPTS[:2], SamplingParams(max_tokens=8))
-    assert gen.v_exec.few_query_kernel and not [1 for _, cache in calls if cache is gen.vkv.dense.k]  # a batch of two
+    for name in ("fp32", "fp16", "int4 sink 1 window 3"):  # batches and trees: a kernel call per sequence over a
+        for batch, tree in ((3, None), (1, TREES["dynamic"]), (3, TREES["dynamic"])):  # float cache, PyTorch's
+            outs = []                                                                  # for a plan's
+            for kernel in (True, False):
+                gen = Generator(pair[0], pair[1] if tree else None, tree, max_batch_size=batch, page_size=4,
+                                backoff=False, kv_store_factory=factories[name])
+                for ex in (gen.v_exec, gen.d_exec):
+                    if ex is not None:
+                        ex.few_query_kernel = kernel
+                del calls[:]
+                ps = PROMPTS[:3] if batch > 1 else PROMPTS[:2]
+                if batch > 1:
+                    outs.append([t for t, _ in gen.generate(ps, SamplingParams(max_tokens=16))])
+                else:
+                    outs.append([t for p in ps for t, _ in gen.generate([p], SamplingParams(max_tokens=16))])
+                mine = [t for t, cache in calls if cache is gen.vkv.dense.k]  # the verifier's calls
+                if name.startswith("fp"):
+                    assert bool(mine) == kernel and (not kernel or (max(mine) > 1) == (tree is not None)), name
+                else:  # a plan: the kernel only where one sequence decodes alone, one query a call
+                    assert all(t == 1 for t in mine) and (kernel or not mine), (name, batch, kernel)
+            assert outs[0] == outs[1], (name, batch)
+            assert name != "fp32" or outs[0] == [plain_greedy(pair[0], p, 16) for p in ps]
 
 
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")

@@ -28,9 +28,9 @@ class Executor:
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
         self.hidden: Optional[torch.Tensor] = None
-        # a few queries of one sequence on CPU (a batch-1 decode step or tree verify) over a float32 dense view:
-        # bpcompile's kernel puts the new entries into the float cache (a float store) or the exact copies (a plan
-        # with a recent window, decode steps only) and attends in one call
+        # a few queries a sequence on CPU (decode steps, tree verifies) over a float32 dense view: bpcompile's kernel
+        # puts the new entries into the float cache (a float store) or the exact copies (a plan with a recent
+        # window: decode steps of one sequence only) and attends, one call per sequence and layer
         self.few_query_kernel = (kv.dense is not None and kv.dense.dtype == torch.float32
                                  and torch.device(device).type == "cpu"
                                  and ((kv.dense.plain and kv.store.dtype in (torch.float16, torch.float32))
@@ -124,8 +124,8 @@ class Executor:
             hidden = exact = None
             rep = model.cfg.num_heads // model.cfg.num_kv_heads
             last = positions[0][0] == N - 1  # one new token at the end of its sequence (decode)
-            few = self.few_query_kernel and B == 1 and len(writes[0]) == T <= cpu_decode.MAX_QUERIES
-            kmask = None
+            few = self.few_query_kernel and T <= cpu_decode.MAX_QUERIES
+            seqs = None  # for the kernel: per sequence (dense row, entries (a0, a1), queries, mask or None)
             if B > 1 or T > 1 or mask is not None or (kv.recent is not None and not last):
                 batch = AttnBatch(None, torch.tensor(ctx, device=dev), torch.tensor(tree_lens, device=dev), None,
                                   mask, kv.ps)
@@ -134,13 +134,17 @@ class Executor:
                     visible, exact = self._exact_columns(visible, pos, writes, ctx, tree_lens, rows, rep)
                     few = False
                 if few:
-                    kmask = visible[0].contiguous()
+                    seqs = [(row, (0, c + t), len(w), visible[b, :len(w), :c + t].contiguous())
+                            for b, (row, w, c, t) in enumerate(zip(rows, writes, ctx, tree_lens))]
                 else:
                     hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
             elif kv.recent is not None:
                 exact = self._exact_last(rows[0], N)
-                few = few and writes[0] == [N - 1]
-            attn = ("dense", at, rows, N, hidden, exact, (kmask,) if few else None)
+                if few and writes[0] == [N - 1]:
+                    seqs = [(rows[0], exact[3], 1, None)]
+            elif few:
+                seqs = [(rows[0], (0, N), 1, None)]
+            attn = ("dense", at, rows, N, hidden, exact, seqs)
         else:
             attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
                                        torch.tensor(tree_lens, device=dev),
@@ -193,24 +197,31 @@ class Executor:
         kv, (B, T) = self.kv, tok.shape
         flat_pos = pos.reshape(-1)
         if attn[0] == "dense":
-            _, at, rows, N, hidden, exact, few = attn
+            _, at, rows, N, hidden, exact, seqs = attn
             kv.dense.reserve(dense_width)
-            if few is not None:  # bpcompile's kernel (the store's part as below; the kernel writes the rest)
-                kmask, = few
+            if seqs is not None:  # bpcompile's kernel, a call per sequence (the store's part as below)
                 round16 = kv.dense.plain and kv.store.dtype == torch.float16
-                row, run, widx = rows[0], (0, N), at[1]
+                widx = at[1].view(B, T)
                 if exact is not None:  # decode: the new entry goes to its exact copy, the stored run is read
-                    rec, run, cols = kv.recent, exact[3], exact[1][0].contiguous()
+                    rec, cols = kv.recent, exact[1][0].contiguous()
                     widx = rec.column(widx)
 
                 def attend(layer, q, k, v):
                     H, KV, D = q.shape[2], k.shape[2], q.shape[3]
-                    k, v = k.reshape(T, KV, D).contiguous(), v.reshape(T, KV, D).contiguous()  # views of qkv rows
+                    q = q.contiguous()  # q, k, v: views of the qkv rows
+                    k, v = k.reshape(B * T, KV, D).contiguous(), v.reshape(B * T, KV, D).contiguous()
                     kv.write(layer, flat, k, v, at, flat_pos, written=True)
-                    o = cpu_decode.attend(q.reshape(T, H, D).contiguous(), kv.dense.k, kv.dense.v, (layer, row), run,
-                                          exact=None if exact is None else (rec.k, rec.v, cols), mask=kmask,
-                                          new=(k, v), write=widx, round16=round16)
-                    return o.view(1, T, H, D)
+                    k, v = k.view(B, T, KV, D), v.view(B, T, KV, D)
+                    outs = [cpu_decode.attend(q[b, :n], kv.dense.k, kv.dense.v, (layer, row), run,
+                                              exact=None if exact is None else (rec.k, rec.v, cols), mask=m,
+                                              new=(k[b, :n], v[b, :n]), write=widx[b, :n], round16=round16)
+                            for b, (row, run, n, m) in enumerate(seqs)]
+                    if B == 1 and seqs[0][2] == T:
+                        return outs[0].view(1, T, H, D)
+                    o = q.new_zeros(B, T, H, D)  # padding rows: zeros (nothing reads them)
+                    for b, (_, _, n, _) in enumerate(seqs):
+                        o[b, :n] = outs[b]
+                    return o
             else:
                 def attend(layer, q, k, v):
                     kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at,
