@@ -205,22 +205,26 @@ class Executor:
                 if exact is not None:  # decode: the new entry goes to its exact copy, the stored run is read
                     rec, cols = kv.recent, exact[1][0].contiguous()
                     widx = rec.column(widx)
+                ex = None if exact is None else (rec.k, rec.v, cols)
+                one = B == 1 and seqs[0][2] == T  # one sequence without padding: no slicing (decode steps)
+                w0 = widx[0]
 
                 def attend(layer, q, k, v):
                     H, KV, D = q.shape[2], k.shape[2], q.shape[3]
-                    q = q.contiguous()  # q, k, v: views of the qkv rows
+                    # q, k, v are views of the qkv rows
                     k, v = k.reshape(B * T, KV, D).contiguous(), v.reshape(B * T, KV, D).contiguous()
                     kv.write(layer, flat, k, v, at, flat_pos, written=True)
-                    k, v = k.view(B, T, KV, D), v.view(B, T, KV, D)
-                    outs = [cpu_decode.attend(q[b, :n], kv.dense.k, kv.dense.v, (layer, row), run,
-                                              exact=None if exact is None else (rec.k, rec.v, cols), mask=m,
-                                              new=(k[b, :n], v[b, :n]), write=widx[b, :n], round16=round16)
-                            for b, (row, run, n, m) in enumerate(seqs)]
-                    if B == 1 and seqs[0][2] == T:
-                        return outs[0].view(1, T, H, D)
+                    if one:
+                        row, run, _, m = seqs[0]
+                        return cpu_decode.attend(q.reshape(T, H, D).contiguous(), kv.dense.k, kv.dense.v, (layer, row),
+                                                 run, exact=ex, mask=m, new=(k, v), write=w0,
+                                                 round16=round16).view(1, T, H, D)
+                    q, k, v = q.contiguous(), k.view(B, T, KV, D), v.view(B, T, KV, D)
                     o = q.new_zeros(B, T, H, D)  # padding rows: zeros (nothing reads them)
-                    for b, (_, _, n, _) in enumerate(seqs):
-                        o[b, :n] = outs[b]
+                    for b, (row, run, n, m) in enumerate(seqs):
+                        o[b, :n] = cpu_decode.attend(q[b, :n], kv.dense.k, kv.dense.v, (layer, row), run, exact=ex,
+                                                     mask=m, new=(k[b, :n], v[b, :n]), write=widx[b, :n],
+                                                     round16=round16)
                     return o
             else:
                 def attend(layer, q, k, v):
