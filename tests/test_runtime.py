@@ -118,7 +118,9 @@ def test_few_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
         so = tmp_path / "portable.so"
         subprocess.run([cc, "-O3", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", str(cpu_decode.SOURCE), "-o",
                         str(so)], check=True, capture_output=True, timeout=120)
-        monkeypatch.setattr(cpu_decode, "_lib", lambda: cpu_decode.bind(ctypes.CDLL(str(so))))
+        lib = ctypes.CDLL(str(so))
+        cpu_decode.bind(lib)
+        monkeypatch.setattr(cpu_decode, "_lib", lambda: lib)
     g = torch.Generator().manual_seed(0)
     cases = [(9, 3, 64, 1), (9, 3, 64, 16), (9, 3, 64, 37), (8, 2, 128, 300), (4, 4, 16, 33), (6, 2, 40, 17),
              (9, 3, 64, 2500), (4, 1, 128, 48)]

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -53,8 +53,9 @@ def build(source: Path, cc: str) -> Path:
     return out
 
 
-def load(source: Path, switch: str) -> Optional[ctypes.CDLL]:
-    """The built kernel, or None where it cannot be built or the environment variable `switch` is 0."""
+def load(source: Path, switch: str, bind: Callable[[ctypes.CDLL], None]) -> Optional[ctypes.CDLL]:
+    """The built kernel with its C signatures declared by bind(lib), or None where it cannot be built or the
+    environment variable `switch` is 0."""
     if os.environ.get(switch, "1") == "0" or platform.system() != "Linux" \
             or platform.machine() not in ("x86_64", "AMD64"):
         return None
@@ -62,6 +63,8 @@ def load(source: Path, switch: str) -> Optional[ctypes.CDLL]:
     if cc is None:
         return None
     try:
-        return ctypes.CDLL(str(build(source, cc)))
+        lib = ctypes.CDLL(str(build(source, cc)))
     except (OSError, subprocess.SubprocessError):
         return None
+    bind(lib)
+    return lib

@@ -1,6 +1,6 @@
 """The CPU kernel for the attention of a few queries of one sequence (a decode step, a tree verify; cpu_decode.c,
-which says why it exists), built and loaded by `cbuild`. `available()` is False where it cannot be built (no C compiler, not Linux x86-64, or
-BPCOMPILE_CPU_DECODE=0); callers then keep the PyTorch path."""
+which says why it exists), built and loaded by `cbuild`. `available()` is False where it cannot be built (no C
+compiler, not Linux x86-64, or BPCOMPILE_CPU_DECODE=0); callers then keep the PyTorch path."""
 from __future__ import annotations
 
 import ctypes
@@ -15,18 +15,16 @@ from bpcompile.kernels import cbuild
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 
 
-@functools.cache
-def _lib() -> Optional[ctypes.CDLL]:
-    lib = cbuild.load(SOURCE, "BPCOMPILE_CPU_DECODE")
-    return None if lib is None else bind(lib)
-
-
-def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+def bind(lib: ctypes.CDLL) -> None:
     """Declare the kernel's C signature on a loaded build of SOURCE."""
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.bpc_attention.argtypes = [p, i, i, i, i, f, p, p, n, n, n, p, p, n, p, n, p, p, p, p, p, i, p, i]
     lib.bpc_attention.restype = ctypes.c_int
-    return lib
+
+
+@functools.cache
+def _lib() -> Optional[ctypes.CDLL]:
+    return cbuild.load(SOURCE, "BPCOMPILE_CPU_DECODE", bind)
 
 
 @functools.cache

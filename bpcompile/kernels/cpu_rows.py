@@ -16,16 +16,15 @@ SOURCE = Path(__file__).with_name("cpu_rows.c")
 MAX_ROWS = 16
 
 
+def _bind(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    lib.bpc_rows_matmul.argtypes = [c.c_void_p, c.c_long, c.c_long, c.c_void_p, c.c_long, c.c_void_p, c.c_int]
+    lib.bpc_rows_matmul.restype = c.c_int
+
+
 @functools.cache
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = cbuild.load(SOURCE, "BPCOMPILE_CPU_ROWS")
-    if lib is None:
-        return None
-    fn = lib.bpc_rows_matmul
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+    return cbuild.load(SOURCE, "BPCOMPILE_CPU_ROWS", _bind)
 
 
 @functools.cache
