@@ -4,6 +4,7 @@ Exit codes: 0 success, 2 bad input (a message naming the file, line, key and wha
 traceback), 1 internal error. `--json` prints one machine-readable result on stdout; human messages
 and progress go to stderr.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except UserError as e:
-            err.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)  # messages hold [serve], [0]...
+            err.print(
+                f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True
+            )  # messages hold [serve], [0]...
             sys.exit(2)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
@@ -44,8 +47,12 @@ class _Group(click.Group):
         except Exception as e:  # noqa: BLE001 - the one place internal errors are turned into exit 1
             if os.environ.get("BPCOMPILE_DEBUG"):
                 traceback.print_exc()
-            err.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
-                      "(set BPCOMPILE_DEBUG=1 for a traceback)", markup=True, soft_wrap=True)
+            err.print(
+                f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} "
+                "(set BPCOMPILE_DEBUG=1 for a traceback)",
+                markup=True,
+                soft_wrap=True,
+            )
             sys.exit(1)
 
 
@@ -60,8 +67,15 @@ class _RichProgress:
     """Per-stage progress bars on stderr (silent when stderr is not a terminal)."""
 
     def __init__(self):
-        self.p = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                          TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
+        self.p = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+            disable=not err.is_terminal,
+        )
 
     def __enter__(self):
         self.p.__enter__()
@@ -75,6 +89,7 @@ class _RichProgress:
 
         def update(done, total):
             self.p.update(task, completed=done, total=total)
+
         return update
 
 
@@ -84,7 +99,8 @@ class _RichProgress:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
 def build(recipe, force, as_json):
     """Build RECIPE into a new engine version (and its Triton repository)."""
-    from bpcompile.build.pipeline import Reporter, build as do_build
+    from bpcompile.compiler.pipeline import Reporter
+    from bpcompile.compiler.pipeline import build as do_build
 
     with _RichProgress() as prog:
         rep = Reporter(log=lambda s: err.print(s, markup=False, soft_wrap=True), progress=prog.factory)
@@ -103,7 +119,7 @@ def build(recipe, force, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def validate(recipe, as_json):
     """Check RECIPE (types, paths, checkpoints, tokenizers, parallelism) without building."""
-    from bpcompile.build.recipe import load_recipe
+    from bpcompile.compiler.recipe import load_recipe
 
     loaded = load_recipe(recipe)
     if as_json:
@@ -122,9 +138,9 @@ def plan(recipe, device, memory_gb, bandwidth_tbs, as_json):
     """Per-GPU memory plan of RECIPE: weights, KV caches at its limits, activations, what fits, a projected
     decode speed; at the recipe's tp and at the smallest tp that fits. Reads only the models' config.json.
     Exit 2 when the recipe does not fit at its own tp."""
-    from bpcompile.build.hf import is_feature_draft, read_feature_draft, read_hf_config
-    from bpcompile.build.plan import device_from, markdown, plan_report
-    from bpcompile.build.recipe import parse_recipe
+    from bpcompile.compiler.hf import is_feature_draft, read_feature_draft, read_hf_config
+    from bpcompile.compiler.plan import device_from, markdown, plan_report
+    from bpcompile.compiler.recipe import parse_recipe
 
     r, _ = parse_recipe(recipe)
     base = recipe.resolve().parent
@@ -139,8 +155,11 @@ def plan(recipe, device, memory_gb, bandwidth_tbs, as_json):
     if not report["at_recipe_tp"]["fits"]:
         smallest = report["smallest_tp_that_fits"]
         hint = f"parallel.tp: {smallest['tp']}" if smallest else "a smaller limits.max_batch_size or max_seq_len"
-        raise UserError(f"{r.name} does not fit {report['at_recipe_tp']['device']} at tp = {r.parallel.tp}: "
-                        f"try {hint}", file=str(recipe), key="parallel.tp" if smallest else "limits")
+        raise UserError(
+            f"{r.name} does not fit {report['at_recipe_tp']['device']} at tp = {r.parallel.tp}: try {hint}",
+            file=str(recipe),
+            key="parallel.tp" if smallest else "limits",
+        )
 
 
 @main.command()
@@ -155,20 +174,28 @@ def inspect(path, as_json):
         _emit_json(info)
         return
     if info["kind"] == "engine-version":
-        click.echo(f"engine {info['name']} version {info['version']}  build {info['build_id']}  "
-                   f"published {info['published']}  {info['bytes'] / 1e6:.1f} MB")
+        click.echo(
+            f"engine {info['name']} version {info['version']}  build {info['build_id']}  "
+            f"published {info['published']}  {info['bytes'] / 1e6:.1f} MB"
+        )
         for s in info["stages"]:
             click.echo(f"  stage {s['name']:<24} {s['status']:<8} {s['seconds']:>7.2f}s  {s.get('detail', '')}")
         for name, part in info["contents"].items():
             if "architecture" in part:
-                click.echo(f"  {name}/: {part['architecture']} {part['parameters'] / 1e6:.2f}M params, {part['dtype']}, "
-                           f"tp={part.get('tp')} pp={part.get('pp')}, {len(part['shards'])} shards, {part['bytes'] / 1e6:.1f} MB")
+                click.echo(
+                    f"  {name}/: {part['architecture']} {part['parameters'] / 1e6:.2f}M params, {part['dtype']}, "
+                    f"tp={part.get('tp')} pp={part.get('pp')}, {len(part['shards'])} shards, {part['bytes'] / 1e6:.1f} MB"
+                )
             else:
                 click.echo(f"  {name}/: {part['bytes'] / 1e6:.2f} MB")
         return
-    click.echo(f"{info['kind']}: {info['architecture']}, {info['parameters'] / 1e6:.2f}M parameters, dtype {info['dtype']}")
-    click.echo(f"  layers {info['layers']}, hidden {info['hidden']}, heads {info['heads']}/{info['kv_heads']} KV, vocab {info['vocab']}"
-               + (f", tp={info['tp']} pp={info['pp']}" if "tp" in info else ""))
+    click.echo(
+        f"{info['kind']}: {info['architecture']}, {info['parameters'] / 1e6:.2f}M parameters, dtype {info['dtype']}"
+    )
+    click.echo(
+        f"  layers {info['layers']}, hidden {info['hidden']}, heads {info['heads']}/{info['kv_heads']} KV, vocab {info['vocab']}"
+        + (f", tp={info['tp']} pp={info['pp']}" if "tp" in info else "")
+    )
     for s in info["shards"]:
         click.echo(f"  {s['file']}: {s['tensors']} tensors, {s['params'] / 1e6:.2f}M params, {s['bytes'] / 1e6:.1f} MB")
 
@@ -181,8 +208,18 @@ def list_(store, as_json):
     from bpcompile.core.store import EngineStore
 
     s = EngineStore(store)
-    rows = [{"name": v.name, "version": v.version, "build_id": v.build_id, "published": v.manifest.get("published"),
-             "bytes": v.manifest.get("bytes"), "path": str(v.path)} for n in s.names() for v in s.versions(n)]
+    rows = [
+        {
+            "name": v.name,
+            "version": v.version,
+            "build_id": v.build_id,
+            "published": v.manifest.get("published"),
+            "bytes": v.manifest.get("bytes"),
+            "path": str(v.path),
+        }
+        for n in s.names()
+        for v in s.versions(n)
+    ]
     if as_json:
         _emit_json(rows)
         return
@@ -191,7 +228,9 @@ def list_(store, as_json):
         return
     t = Table("name", "version", "build id", "published", "size")
     for r in rows:
-        t.add_row(r["name"], str(r["version"]), r["build_id"], r["published"] or "", f"{(r['bytes'] or 0) / 1e6:.1f} MB")
+        t.add_row(
+            r["name"], str(r["version"]), r["build_id"], r["published"] or "", f"{(r['bytes'] or 0) / 1e6:.1f} MB"
+        )
     Console().print(t)
 
 

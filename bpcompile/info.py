@@ -2,6 +2,7 @@
 
 Reads only JSON and safetensors headers, never tensor data, so it is instant even on a 70B checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ from collections import Counter
 from math import prod
 from pathlib import Path
 
+from bpcompile.compiler.hf import read_header
 from bpcompile.core.errors import UserError
-from bpcompile.build.hf import read_header
 from bpcompile.core.store import MANIFEST, dir_size
 
 
@@ -28,21 +29,39 @@ def shards_summary(d: Path) -> dict:
 def checkpoint_info(d: Path) -> dict:
     cfg = json.loads((d / "config.json").read_text())
     if cfg.get("architecture") == "FeatureDraft":  # a draft on the verifier's features (runtime/model.py)
-        info = {"kind": "feature-draft", "architecture": "FeatureDraft", "layers": cfg.get("num_layers"),
-                "intermediate": cfg.get("intermediate_size")}
+        info = {
+            "kind": "feature-draft",
+            "architecture": "FeatureDraft",
+            "layers": cfg.get("num_layers"),
+            "intermediate": cfg.get("intermediate_size"),
+        }
     elif "architecture" in cfg:  # TensorRT-LLM checkpoint
         m = cfg.get("mapping", {})
-        info = {"kind": "trtllm-checkpoint", "architecture": cfg["architecture"], "dtype": cfg.get("dtype"),
-                "tp": m.get("tp_size", 1), "pp": m.get("pp_size", 1),
-                "layers": cfg.get("num_hidden_layers"), "hidden": cfg.get("hidden_size"),
-                "heads": cfg.get("num_attention_heads"), "kv_heads": cfg.get("num_key_value_heads"),
-                "head_size": cfg.get("head_size"), "vocab": cfg.get("vocab_size")}
+        info = {
+            "kind": "trtllm-checkpoint",
+            "architecture": cfg["architecture"],
+            "dtype": cfg.get("dtype"),
+            "tp": m.get("tp_size", 1),
+            "pp": m.get("pp_size", 1),
+            "layers": cfg.get("num_hidden_layers"),
+            "hidden": cfg.get("hidden_size"),
+            "heads": cfg.get("num_attention_heads"),
+            "kv_heads": cfg.get("num_key_value_heads"),
+            "head_size": cfg.get("head_size"),
+            "vocab": cfg.get("vocab_size"),
+        }
     else:
-        info = {"kind": "hf-checkpoint", "architecture": (cfg.get("architectures") or ["?"])[0],
-                "dtype": cfg.get("torch_dtype") or cfg.get("dtype"), "layers": cfg.get("num_hidden_layers"),
-                "hidden": cfg.get("hidden_size"), "heads": cfg.get("num_attention_heads"),
-                "kv_heads": cfg.get("num_key_value_heads"), "head_size": cfg.get("head_dim"),
-                "vocab": cfg.get("vocab_size")}
+        info = {
+            "kind": "hf-checkpoint",
+            "architecture": (cfg.get("architectures") or ["?"])[0],
+            "dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
+            "layers": cfg.get("num_hidden_layers"),
+            "hidden": cfg.get("hidden_size"),
+            "heads": cfg.get("num_attention_heads"),
+            "kv_heads": cfg.get("num_key_value_heads"),
+            "head_size": cfg.get("head_dim"),
+            "vocab": cfg.get("vocab_size"),
+        }
     info.update(shards_summary(d))
     info["path"] = str(d)
     return info
@@ -51,15 +70,26 @@ def checkpoint_info(d: Path) -> dict:
 def inspect_path(path: str | Path) -> dict:
     d = Path(path)
     if not d.is_dir():
-        raise UserError("not a directory (expected an engine version, a converted checkpoint or an HF checkpoint)", file=str(d))
+        raise UserError(
+            "not a directory (expected an engine version, a converted checkpoint or an HF checkpoint)", file=str(d)
+        )
     if (d / MANIFEST).is_file():
         m = json.loads((d / MANIFEST).read_text())
         parts = {}
         for sub in sorted(p for p in d.iterdir() if p.is_dir()):
             parts[sub.name] = checkpoint_info(sub) if (sub / "config.json").is_file() else {"bytes": dir_size(sub)}
-        return {"kind": "engine-version", "path": str(d), "name": m.get("name"), "version": m.get("version"),
-                "build_id": m.get("build_id"), "published": m.get("published"), "bytes": dir_size(d),
-                "stages": m.get("stages", []), "tools": m.get("tools", {}), "contents": parts}
+        return {
+            "kind": "engine-version",
+            "path": str(d),
+            "name": m.get("name"),
+            "version": m.get("version"),
+            "build_id": m.get("build_id"),
+            "published": m.get("published"),
+            "bytes": dir_size(d),
+            "stages": m.get("stages", []),
+            "tools": m.get("tools", {}),
+            "contents": parts,
+        }
     if (d / "config.json").is_file():
         return checkpoint_info(d)
     raise UserError("no manifest.json or config.json here: not an engine version or a checkpoint", file=str(d))

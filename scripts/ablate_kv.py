@@ -10,6 +10,7 @@ format; the format's exact entries (KVPlan.sink_tokens / recent_window, docs/KV_
 
     .venv/bin/python scripts/ablate_kv.py engines/smollm2/1 --sinks 0,1,4,16 --windows 1,2,4,8,16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bpcompile.build.corpus import text_windows  # noqa: E402
+from bpcompile.compiler.corpus import text_windows  # noqa: E402
 from bpcompile.core.store import engine_version_dir  # noqa: E402
 from bpcompile.eval.evaluate import _text  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, make_kv_store  # noqa: E402
@@ -35,8 +36,7 @@ def windowed_attend(q, k, v, kh, vh, window: int, sink: int) -> torch.Tensor:
     """Causal attention where query t reads key/value t' unquantized (k, v) when t - t' < window or t' < sink,
     and decoded (kh, vh) otherwise. All [B, T, heads, D]."""
     T, D, rep = q.shape[1], q.shape[-1], q.shape[2] // k.shape[2]
-    qh, kf, vf, kq, vq = (x.transpose(1, 2) for x in
-                          (q, *(y.repeat_interleave(rep, 2) for y in (k, v, kh, vh))))
+    qh, kf, vf, kq, vq = (x.transpose(1, 2) for x in (q, *(y.repeat_interleave(rep, 2) for y in (k, v, kh, vh))))
     t = torch.arange(T)
     exact = (t[:, None] - t[None, :] < window) | (t[None, :] < sink)
     s = torch.where(exact, qh @ kf.transpose(-1, -2), qh @ kq.transpose(-1, -2)) / math.sqrt(D)
@@ -44,8 +44,9 @@ def windowed_attend(q, k, v, kh, vh, window: int, sink: int) -> torch.Tensor:
     return ((p * exact) @ vf + (p * ~exact) @ vq).transpose(1, 2)
 
 
-def forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, sink: int, parts: str,
-            window: int = 0) -> torch.Tensor:
+def forward(
+    verifier: Llama, tokens: torch.Tensor, plan: KVPlan, sink: int, parts: str, window: int = 0
+) -> torch.Tensor:
     """Teacher-forced logits with K and/or V (`parts`) through the plan's store, the first `sink` positions kept,
     and (window > 0) each query's `window` newest positions read unquantized."""
     B, T = tokens.shape
@@ -75,7 +76,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("engine")
     ap.add_argument("--sinks", default="0,1,4,16")
-    ap.add_argument("--windows", default="", help="recent-window sizes W, each measured without and with a 1-token sink")
+    ap.add_argument(
+        "--windows", default="", help="recent-window sizes W, each measured without and with a 1-token sink"
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -86,16 +89,20 @@ def main() -> None:
     seqs = torch.tensor(text_windows(eng / "tokenizer" / "tokenizer.json", docs, 256, 16, 0, "eval text"))
     c = verifier.cfg
     fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
-    batches = [seqs[i:i + 8] for i in range(0, len(seqs), 8)]
+    batches = [seqs[i : i + 8] for i in range(0, len(seqs), 8)]
     ref = [F.log_softmax(forward(verifier, b, fp16, 0, "kv").float(), -1) for b in batches]
     n = seqs[:, 1:].numel()
     ref_nll = sum(-r[:, :-1].gather(-1, b[:, 1:, None]).sum().item() for r, b in zip(ref, batches))
     rows = [("kv", s, 0) for s in map(int, a.sinks.split(","))] + [("k", 0, 0), ("v", 0, 0)]
     rows += [("kv", s, w) for w in map(int, filter(None, a.windows.split(","))) for s in (0, 1)]
-    print(f"engine {eng}, plan {plan.format} ({sum(x == 'fp8' for p in plan.precision for t in 'kv' for x in p[t])} "
-          f"FP8 units), text: {what}, FP16-KV ppl {math.exp(ref_nll / n):.3f}")
-    print("| quantized | sink (FP16 positions) | recent window (FP16) | Δppl | top-1 agreement | KL vs FP16 KV |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        f"engine {eng}, plan {plan.format} ({sum(x == 'fp8' for p in plan.precision for t in 'kv' for x in p[t])} "
+        f"FP8 units), text: {what}, FP16-KV ppl {math.exp(ref_nll / n):.3f}"
+    )
+    print(
+        "| quantized | sink (FP16 positions) | recent window (FP16) | Δppl | top-1 agreement | KL vs FP16 KV |\n"
+        "|---|---|---|---|---|---|"
+    )
     for parts, sink, window in rows:
         t0 = time.time()
         nll = kl = agree = 0.0
@@ -104,10 +111,20 @@ def main() -> None:
             nll += -logp[:, :-1].gather(-1, b[:, 1:, None]).sum().item()
             agree += (logp.argmax(-1) == r.argmax(-1)).sum().item()
             kl += F.kl_div(logp, r, log_target=True, reduction="sum").item()
-        row = {"parts": parts, "sink": sink, "window": window, "dppl_pct": 100 * (math.exp((nll - ref_nll) / n) - 1),
-               "top1": agree / seqs.numel(), "kl": kl / seqs.numel(), "seconds": round(time.time() - t0, 1)}
-        print(f"| {'K and V' if parts == 'kv' else parts.upper() + ' only'} | {sink} | {window} | {row['dppl_pct']:+.2f}% | "
-              f"{100 * row['top1']:.2f}% | {row['kl']:.4f} |", flush=True)
+        row = {
+            "parts": parts,
+            "sink": sink,
+            "window": window,
+            "dppl_pct": 100 * (math.exp((nll - ref_nll) / n) - 1),
+            "top1": agree / seqs.numel(),
+            "kl": kl / seqs.numel(),
+            "seconds": round(time.time() - t0, 1),
+        }
+        print(
+            f"| {'K and V' if parts == 'kv' else parts.upper() + ' only'} | {sink} | {window} | {row['dppl_pct']:+.2f}% | "
+            f"{100 * row['top1']:.2f}% | {row['kl']:.4f} |",
+            flush=True,
+        )
         print(json.dumps(row), file=sys.stderr)
 
 

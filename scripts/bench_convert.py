@@ -9,6 +9,7 @@ peak RSS (os.wait4 gives the rusage of that one child). Everything under /tmp is
     .venv/bin/python scripts/bench_convert.py            # ~4.3 GB, 3 repetitions
     .venv/bin/python scripts/bench_convert.py --layers 1 --reps 1   # quick smoke run
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bpcompile.build.convert import RankWriter  # noqa: E402  (the same streaming writer the converter uses)
+from bpcompile.compiler.convert import RankWriter  # noqa: E402  (the same streaming writer the converter uses)
 
 # Llama-3-8B shapes
 HID, INTER, HEADS, KV, HEAD, VOCAB = 4096, 14336, 32, 8, 128, 128256
@@ -76,14 +77,34 @@ def generate(d: Path, layers: int, shard_bytes: int = 2 * 2**30) -> int:
             del t
         w.close()
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HID,
-        "intermediate_size": INTER, "num_hidden_layers": layers, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV, "head_dim": HEAD, "vocab_size": VOCAB, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    }))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HID,
+                "intermediate_size": INTER,
+                "num_hidden_layers": layers,
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": KV,
+                "head_dim": HEAD,
+                "vocab_size": VOCAB,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "dtype": "bfloat16",
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            }
+        )
+    )
     return sum(f.stat().st_size for f in d.iterdir())
 
 
@@ -102,8 +123,9 @@ print(json.dumps({"wall": time.perf_counter() - t0, "rc": os.waitstatus_to_exitc
 def run(cmd: list[str]) -> tuple[float, int]:
     """(wall seconds, peak RSS in bytes) of one child process."""
     os.sync()  # start each run without the previous run's dirty pages still being flushed
-    out = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, *cmd], cwd=REPO, stdout=subprocess.PIPE, text=True, check=True
+    ).stdout
     r = json.loads(out.strip().splitlines()[-1])
     if r["rc"] != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
@@ -125,12 +147,12 @@ def main():
         nbytes = generate(src, args.layers)
         print(f"generated {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s: {src}", flush=True)
         shards = sorted(str(p) for p in src.glob("*.safetensors"))
-        conv = "from bpcompile.build.convert import convert_checkpoint as c; import sys; c(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]))"
+        conv = "from bpcompile.compiler.convert import convert_checkpoint as c; import sys; c(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]))"
         cmds = {
             "cp": lambda out: ["cp", *shards, str(out)],
             "convert tp=1": lambda out: [py, "-c", conv, str(src), str(out), "1"],
             "convert tp=2": lambda out: [py, "-c", conv, str(src), str(out), "2"],
-            "python + import only": lambda out: [py, "-c", "import bpcompile.build.convert"],
+            "python + import only": lambda out: [py, "-c", "import bpcompile.compiler.convert"],
         }
         res = {k: [] for k in cmds}
         for rep in range(args.reps):
@@ -141,12 +163,17 @@ def main():
                 written = sum(f.stat().st_size for f in out.iterdir())
                 shutil.rmtree(out)
                 res[name].append((wall, rss, written))
-                print(f"rep {rep + 1}: {name:22s} {wall:7.2f} s  peak RSS {rss / 2**20:7.0f} MiB  "
-                      f"wrote {written / 1e9:.2f} GB", flush=True)
+                print(
+                    f"rep {rep + 1}: {name:22s} {wall:7.2f} s  peak RSS {rss / 2**20:7.0f} MiB  "
+                    f"wrote {written / 1e9:.2f} GB",
+                    flush=True,
+                )
         cp = statistics.median(w for w, _, _ in res["cp"])
-        print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
-              f"checkpoint {nbytes / 1e9:.2f} GB, median of {args.reps}")
+        print(
+            f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
+            f"checkpoint {nbytes / 1e9:.2f} GB, median of {args.reps}"
+        )
         print("| run | median wall s | GB/s (source bytes) | x cp | max peak RSS MiB | written GB |")
         print("|---|---|---|---|---|---|")
         for name, rows in res.items():

@@ -11,6 +11,7 @@ executors' `few_query_kernel` switched on or off; every repeat times all of them
 without, the median over repeats of the per-repeat speed-up with its min..max, and whether both produced the same
 tokens. No assertion on speed: a benchmark, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_smollm2 import prompts  # noqa: E402  (the benchmark's held-out chat prompts)
-from bpcompile.build.convert import convert_checkpoint  # noqa: E402
+
+from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
 from bpcompile.runtime.model import FeatureDraft, Llama  # noqa: E402
 from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
@@ -61,11 +63,19 @@ def main() -> None:
     fd.pack_for_cpu("both")
     gens = {}
     for batch in (int(x) for x in a.batches.split(",")):
-        for name, draft, tree in (("verifier only", None, TreeSpec("none")),
-                                  ("feature draft, dynamic tree 5", fd, TreeSpec("dynamic", nodes=5))):
+        for name, draft, tree in (
+            ("verifier only", None, TreeSpec("none")),
+            ("feature draft, dynamic tree 5", fd, TreeSpec("dynamic", nodes=5)),
+        ):
             for kernel in (True, False):
-                g = Generator(v, draft, tree, max_batch_size=batch, max_seq_len=1024,
-                              kv_store_factory=float_store_factory(torch.float16))
+                g = Generator(
+                    v,
+                    draft,
+                    tree,
+                    max_batch_size=batch,
+                    max_seq_len=1024,
+                    kv_store_factory=float_store_factory(torch.float16),
+                )
                 for ex in (g.v_exec, g.d_exec):
                     if ex is not None:
                         ex.few_query_kernel = kernel
@@ -75,21 +85,23 @@ def main() -> None:
         batch, g = key[0], gens[key]
         out = []
         for i in range(0, len(ps), batch):  # the prompts in batches of `batch`
-            out += [t for t, _ in g.generate(ps[i:i + batch], SamplingParams(max_tokens=a.max_tokens))]
+            out += [t for t, _ in g.generate(ps[i : i + batch], SamplingParams(max_tokens=a.max_tokens))]
         return out
 
     for key in gens:  # warm-up outside the timings
         gens[key].generate(ps[:1], SamplingParams(max_tokens=4))
     times, toks = {k: [] for k in gens}, {}
     for rep in range(a.repeats):
-        for key in (list(gens) if rep % 2 == 0 else list(gens)[::-1]):
+        for key in list(gens) if rep % 2 == 0 else list(gens)[::-1]:
             t = time.perf_counter()
             toks[key] = run(key)
             times[key].append(time.perf_counter() - t)
         print(f"repeat {rep + 1}/{a.repeats} done", file=sys.stderr)
     n = len(ps) * a.max_tokens
-    print(f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, FP16 KV, float32 weights, "
-          f"{a.threads} threads, torch {torch.__version__}, {platform.machine()}\n")
+    print(
+        f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, FP16 KV, float32 weights, "
+        f"{a.threads} threads, torch {torch.__version__}, {platform.machine()}\n"
+    )
     print("| batch | row | kernel tok/s | PyTorch path tok/s | speed-up (median, min..max) | same tokens |")
     print("|---|---|---|---|---|---|")
     for batch, name, kernel in gens:
@@ -97,9 +109,11 @@ def main() -> None:
             continue
         on, off = times[(batch, name, True)], times[(batch, name, False)]
         r = sorted(b / a_ for a_, b in zip(on, off))
-        print(f"| {batch} | {name} | {n / statistics.median(on):.1f} | {n / statistics.median(off):.1f} | "
-              f"{statistics.median(r):.2f}x ({r[0]:.2f}..{r[-1]:.2f}) | "
-              f"{toks[(batch, name, True)] == toks[(batch, name, False)]} |")
+        print(
+            f"| {batch} | {name} | {n / statistics.median(on):.1f} | {n / statistics.median(off):.1f} | "
+            f"{statistics.median(r):.2f}x ({r[0]:.2f}..{r[-1]:.2f}) | "
+            f"{toks[(batch, name, True)] == toks[(batch, name, False)]} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 
 Prints markdown tables; writes everything as JSON to $OUT/bench_kernels.json when $OUT is set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,10 @@ import torch  # noqa: E402
 try:
     import safetensors.torch  # noqa: F401  (bpcompile.runtime.kvcache imports it for KVPlan.save/load only)
 except ImportError:  # the GPU machine may lack it; nothing here saves or loads plans
+
     def _unavailable(*a, **k):
         raise RuntimeError("safetensors is not installed")
+
     st_mod = types.ModuleType("safetensors.torch")
     st_mod.load_file = st_mod.save_file = _unavailable
     sys.modules.setdefault("safetensors", types.ModuleType("safetensors"))
@@ -46,8 +49,7 @@ except ImportError:  # the GPU machine may lack it; nothing here saves or loads 
 from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
-from bpcompile.runtime.kvcache import FP8, INT4, INT8  # noqa: E402
-from bpcompile.runtime.kvcache import KVPlan, QuantKVStore  # noqa: E402
+from bpcompile.runtime.kvcache import FP8, INT4, KVPlan, QuantKVStore  # noqa: E402  # noqa: E402
 
 H200_BW = 4.8e12
 RESULTS: dict = {"device": None, "correctness": [], "sweep": [], "decode": [], "tree": []}
@@ -60,14 +62,22 @@ def log(*a):
 # ------------------------------------------------------------------------------------------------
 # stores
 
+
 def plan_for(layers: int, kv: int, d: int, group: int, fp8_units: list[tuple[int, str, int]]) -> KVPlan:
     prec = [{"k": ["int4"] * kv, "v": ["int4"] * kv} for _ in range(layers)]
     for layer, t, h in fp8_units:
         prec[layer][t][h] = "fp8"
     g = torch.Generator().manual_seed(0)
-    return KVPlan("int4-fp8-outlier", layers, kv, d, group, prec,
-                  k_channel_scale=torch.rand(layers, kv, d, generator=g) + 0.5,
-                  int4_clip=torch.rand(layers, 2, kv, generator=g) * 0.2 + 0.8)
+    return KVPlan(
+        "int4-fp8-outlier",
+        layers,
+        kv,
+        d,
+        group,
+        prec,
+        k_channel_scale=torch.rand(layers, kv, d, generator=g) + 0.5,
+        int4_clip=torch.rand(layers, 2, kv, generator=g) * 0.2 + 0.8,
+    )
 
 
 def random_fill(st: QuantKVStore, seed: int = 0) -> None:
@@ -87,12 +97,13 @@ def sequences(num_pages: int, batch: int, tokens: int, page: int, device, seed=0
     """Block tables of `batch` sequences of `tokens` tokens over randomly scattered pages."""
     per = math.ceil(tokens / page)
     g = torch.Generator().manual_seed(seed)
-    bt = torch.randperm(num_pages, generator=g)[:batch * per].reshape(batch, per).int().to(device)
+    bt = torch.randperm(num_pages, generator=g)[: batch * per].reshape(batch, per).int().to(device)
     return bt
 
 
 # ------------------------------------------------------------------------------------------------
 # 1. correctness
+
 
 def check_correctness(dev, tiny: bool) -> bool:
     L, KV, H, D, GS, S = (2, 2, 8, 64, 32, 16) if tiny else (2, 8, 64, 128, 128, 16)
@@ -140,7 +151,7 @@ def check_correctness(dev, tiny: bool) -> bool:
         nt = []
         for b in range(len(ctxs)):
             par = shapes[b % len(shapes)]
-            masks[b, :len(par), :len(par)] = TM.tree_mask_from_parents(par)
+            masks[b, : len(par), : len(par)] = TM.tree_mask_from_parents(par)
             nt.append(len(par))
         tm, nt = TM.pack_bool_mask(masks).to(dev), torch.tensor(nt, device=dev)
         ctx = torch.tensor(ctxs, device=dev)
@@ -150,27 +161,40 @@ def check_correctness(dev, tiny: bool) -> bool:
                 refo = paged_attention_reference(q, st, 1, bt, ctx, tm, nt, 1 / math.sqrt(D))
                 out = K.paged_attention(q, st, 1, bt, ctx, tm, nt, 1 / math.sqrt(D), num_splits=splits)
                 err = ((out.float() - refo.float()).abs().max() / refo.float().abs().max()).item()
-                record(f"attention G={G} {str(dtype)[6:]} splits={splits}", err <= tol, f"max rel err {err:.2e} (tol {tol})")
+                record(
+                    f"attention G={G} {str(dtype)[6:]} splits={splits}",
+                    err <= tol,
+                    f"max rel err {err:.2e} (tol {tol})",
+                )
 
     # compaction move with overlapping src/dst
     a = QuantKVStore(plan, 8, S, device=dev)
     for layer in range(L):
-        a.write(layer, torch.arange(20, 40, device=dev), torch.randn(20, KV, D, device=dev), torch.randn(20, KV, D, device=dev))
+        a.write(
+            layer,
+            torch.arange(20, 40, device=dev),
+            torch.randn(20, KV, D, device=dev),
+            torch.randn(20, KV, D, device=dev),
+        )
     b = QuantKVStore(plan, 8, S, device=dev)
     for x, y in zip(b.pools(), a.pools()):
         x.copy_(y)
     src, dst = torch.tensor([20, 22, 25, 31], device=dev), torch.tensor([20, 21, 22, 23], device=dev)
     a.move(src, dst)
     K.move_slots(b, src, dst)
-    record("move_slots (overlapping)", all(torch.equal(x, y) for x, y in zip(a.pools(), b.pools())), "4 slots, all pools")
+    record(
+        "move_slots (overlapping)", all(torch.equal(x, y) for x, y in zip(a.pools(), b.pools())), "4 slots, all pools"
+    )
     return ok_all
 
 
 # ------------------------------------------------------------------------------------------------
 # 2-3. timing
 
+
 def bench_ms(fn) -> float:
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=10, rep=50)
 
 
@@ -198,8 +222,7 @@ class Setup:
         self.nt = torch.full((B,), G, dtype=torch.int32, device=dev)
         self.q = torch.randn(B, G, self.H, self.D, device=dev, dtype=torch.float16)
         self.B, self.T, self.G = B, T, G
-        self.bytes = (B * (T + G) * layer_bytes_per_token(self.st, 0) + 2 * self.q.numel() * 2
-                      + self.bt.numel() * 4)
+        self.bytes = B * (T + G) * layer_bytes_per_token(self.st, 0) + 2 * self.q.numel() * 2 + self.bt.numel() * 4
 
     def run(self, **kw):
         return K.paged_attention(self.q, self.st, 0, self.bt, self.ctx, self.tm, self.nt, 1 / math.sqrt(self.D), **kw)
@@ -226,7 +249,9 @@ def fits(dev, B, T) -> bool:
 def sweep(dev) -> dict:
     """Tile size / warps / splits at the target point (32k, batch 8); returns the best kwargs."""
     s = Setup(dev, 8, 32768)
-    base = K.default_num_splits(8, 8, 1, s.bt.shape[1] * s.S, torch.cuda.get_device_properties(dev).multi_processor_count)
+    base = K.default_num_splits(
+        8, 8, 1, s.bt.shape[1] * s.S, torch.cuda.get_device_properties(dev).multi_processor_count
+    )
     best = None
     for bn in (16, 32, 64):
         for nw in (4, 8):
@@ -262,8 +287,11 @@ def main():
         sys.exit("no CUDA device: run with --cpu-smoke for the CPU check")
     dev = torch.device("cuda")
     import triton
+
     props = torch.cuda.get_device_properties(dev)
-    RESULTS["device"] = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
+    RESULTS["device"] = (
+        f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
+    )
     log(f"# bpcompile kernels on {RESULTS['device']}")
     log("## correctness vs the PyTorch oracle")
     ok = check_correctness(dev, tiny=False)
@@ -276,8 +304,10 @@ def main():
     RESULTS["config"] = kw
 
     log("## decode attention, one 70B layer (H=64, KV=8, D=128, page 16)")
-    rows = ["| context | batch | mixed INT4/FP8 (us) | TB/s | % of 4.8 | FP16 SDPA (us) | FP16 TB/s | speedup |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| context | batch | mixed INT4/FP8 (us) | TB/s | % of 4.8 | FP16 SDPA (us) | FP16 TB/s | speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for T in (8192, 32768) + (() if args.quick else (131072,)):
         for B in (1, 8, 32):
             if not fits(dev, B, T):
@@ -295,11 +325,22 @@ def main():
             fbw = fbytes / (fms * 1e-3)
             del keep, fn
             torch.cuda.empty_cache()
-            RESULTS["decode"].append({"context": T, "batch": B, "us": ms * 1e3, "bytes_per_s": bw,
-                                      "fraction_of_4p8": bw / H200_BW, "fp16_sdpa_us": fms * 1e3,
-                                      "fp16_bytes_per_s": fbw, "speedup": fms / ms})
-            rows.append(f"| {T} | {B} | {ms * 1e3:.1f} | {bw / 1e12:.2f} | {100 * bw / H200_BW:.0f}% | "
-                        f"{fms * 1e3:.1f} | {fbw / 1e12:.2f} | {fms / ms:.2f}x |")
+            RESULTS["decode"].append(
+                {
+                    "context": T,
+                    "batch": B,
+                    "us": ms * 1e3,
+                    "bytes_per_s": bw,
+                    "fraction_of_4p8": bw / H200_BW,
+                    "fp16_sdpa_us": fms * 1e3,
+                    "fp16_bytes_per_s": fbw,
+                    "speedup": fms / ms,
+                }
+            )
+            rows.append(
+                f"| {T} | {B} | {ms * 1e3:.1f} | {bw / 1e12:.2f} | {100 * bw / H200_BW:.0f}% | "
+                f"{fms * 1e3:.1f} | {fbw / 1e12:.2f} | {fms / ms:.2f}x |"
+            )
     log("\n".join(rows))
 
     log("## tree verification (32k context, batch 8)")
@@ -313,10 +354,14 @@ def main():
         s = None
         torch.cuda.empty_cache()
     log("\n".join(trows))
-    target = next((r for r in RESULTS["decode"] if r.get("context") == 32768 and r.get("batch") == 8 and "us" in r), None)
+    target = next(
+        (r for r in RESULTS["decode"] if r.get("context") == 32768 and r.get("batch") == 8 and "us" in r), None
+    )
     if target:
-        log(f"## targets at 32k, batch 8: {100 * target['fraction_of_4p8']:.0f}% of 4.8 TB/s (goal >= 70%), "
-            f"{target['speedup']:.2f}x FP16 SDPA (goal >= 2.5x)")
+        log(
+            f"## targets at 32k, batch 8: {100 * target['fraction_of_4p8']:.0f}% of 4.8 TB/s (goal >= 70%), "
+            f"{target['speedup']:.2f}x FP16 SDPA (goal >= 2.5x)"
+        )
     return finish(ok, t0)
 
 

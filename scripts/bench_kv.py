@@ -3,10 +3,11 @@
     .venv/bin/python scripts/bench_kv.py                      # tables for docs/benchmarks/kv_cache.md
     .venv/bin/python scripts/bench_kv.py --ablations --json out.json
 
-Converts the verifier (bpcompile.build.convert), calibrates on the corpus train split, evaluates on the
+Converts the verifier (bpcompile.compiler.convert), calibrates on the corpus train split, evaluates on the
 held-out split: FP16 / FP8 / INT8 / naive INT4 / INT4 + FP8 outlier units at 0, 4, 8, 16%, on the model
 as shipped and on its outlier-injected (function-preserving) variant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,20 +21,24 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bpcompile.build import corpus
-from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
-from bpcompile.build.convert import convert_checkpoint  # noqa: E402
+from bpcompile.compiler import corpus
+from bpcompile.compiler.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
+from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
 from bpcompile.eval.evaluate import evaluate, inject_key_outliers, standard_plans  # noqa: E402
 from bpcompile.runtime.model import Llama  # noqa: E402
 
 
 def calibration_table(report: dict) -> str:
-    lines = ["| unit | INT4 error | naive INT4 error | FP8 error | key scale α | clip | precision |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| unit | INT4 error | naive INT4 error | FP8 error | key scale α | clip | precision |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for layer in report["layers"]:
         for u in layer["units"]:
-            lines.append(f"| L{u['layer']}.{u['kind']}{u['head']} | {u['int4_error']:.5f} | {u['naive_int4_error']:.5f} | "
-                         f"{u['outlier_error']:.5f} | {u['key_scale_alpha']:g} | {u['clip']:g} | {u['precision']} |")
+            lines.append(
+                f"| L{u['layer']}.{u['kind']}{u['head']} | {u['int4_error']:.5f} | {u['naive_int4_error']:.5f} | "
+                f"{u['outlier_error']:.5f} | {u['key_scale_alpha']:g} | {u['clip']:g} | {u['precision']} |"
+            )
     return "\n".join(lines)
 
 
@@ -50,8 +55,26 @@ def _half_grid(x, clip):
     return (torch.floor(x / s) + 0.5).clamp(-7.5, 7.5) * s
 
 
-NF4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461,
-                    0.3379, 0.4407, 0.5626, 0.7230, 1.0])  # QLoRA's NormalFloat4 levels
+NF4 = torch.tensor(
+    [
+        -1.0,
+        -0.6962,
+        -0.5251,
+        -0.3949,
+        -0.2844,
+        -0.1848,
+        -0.0911,
+        0.0,
+        0.0796,
+        0.1609,
+        0.2461,
+        0.3379,
+        0.4407,
+        0.5626,
+        0.7230,
+        1.0,
+    ]
+)  # QLoRA's NormalFloat4 levels
 
 
 def _nf4(x, clip):
@@ -61,7 +84,7 @@ def _nf4(x, clip):
 
 def study(model, calib, held, group_size):
     """Unit-level error of INT4 variants (same calibration search) and where top-1 disagreements happen."""
-    from bpcompile.build.calibrate import _LayerProbe, capture_qkv, key_channel_scale
+    from bpcompile.compiler.calibrate import _LayerProbe, capture_qkv, key_channel_scale
     from bpcompile.eval.evaluate import cached_forward
     from bpcompile.runtime.kvcache import KVPlan, fake_quantize
 
@@ -70,7 +93,9 @@ def study(model, calib, held, group_size):
     variants = {
         f"INT4 G={group_size} (format)": lambda x, cs, r: fake_quantize(x, "int4", group_size, cs, r),
         "INT4 G=32 (+0.25 bit)": lambda x, cs, r: fake_quantize(x, "int4", 32, cs, r),
-        "16-level half grid": lambda x, cs, r: _half_grid(x / (cs if cs is not None else 1), r) * (cs if cs is not None else 1),
+        "16-level half grid": lambda x, cs, r: (
+            _half_grid(x / (cs if cs is not None else 1), r) * (cs if cs is not None else 1)
+        ),
         "NF4 codebook": lambda x, cs, r: _nf4(x / (cs if cs is not None else 1), r) * (cs if cs is not None else 1),
         "Hadamard + INT4": lambda x, cs, r: fake_quantize(x @ H, "int4", group_size, None, r) @ H.T,
         "FP8": lambda x, cs, r: fake_quantize(x, "fp8", group_size),
@@ -93,20 +118,31 @@ def study(model, calib, held, group_size):
     seqs = torch.tensor(held)
     plans = standard_plans(model, calib, group_size, fractions=(0.08,))
     ref_plan = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
-    ref = torch.cat([cached_forward(model, seqs[i:i + 8], ref_plan) for i in range(0, len(seqs), 8)])
+    ref = torch.cat([cached_forward(model, seqs[i : i + 8], ref_plan) for i in range(0, len(seqs), 8)])
     top2 = ref.topk(2, -1).values
     margin = (top2[..., 0] - top2[..., 1]).flatten()
     p1 = ref.softmax(-1).amax(-1).flatten()
-    lines = [f"FP16-KV reference: median top-1 probability {p1.median():.3f}; {100 * (margin < 0.1).float().mean():.1f}% "
-             f"of positions have a top-1/top-2 logit margin < 0.1",
-             "", "| KV cache | top-1 agreement | median margin of disagreements | max margin | agreement where margin ≥ 0.5 |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"FP16-KV reference: median top-1 probability {p1.median():.3f}; {100 * (margin < 0.1).float().mean():.1f}% "
+        f"of positions have a top-1/top-2 logit margin < 0.1",
+        "",
+        "| KV cache | top-1 agreement | median margin of disagreements | max margin | agreement where margin ≥ 0.5 |",
+        "|---|---|---|---|---|",
+    ]
     for name in ("fp8", "int4-naive", "int4+fp8 8%"):
-        p = plans[name] if isinstance(plans[name], KVPlan) else KVPlan.uniform(plans[name], c.num_layers, c.num_kv_heads, c.head_size)
-        top = torch.cat([cached_forward(model, seqs[i:i + 8], p).argmax(-1) for i in range(0, len(seqs), 8)]).flatten()
+        p = (
+            plans[name]
+            if isinstance(plans[name], KVPlan)
+            else KVPlan.uniform(plans[name], c.num_layers, c.num_kv_heads, c.head_size)
+        )
+        top = torch.cat(
+            [cached_forward(model, seqs[i : i + 8], p).argmax(-1) for i in range(0, len(seqs), 8)]
+        ).flatten()
         dis = top != ref.argmax(-1).flatten()
-        lines.append(f"| {name} | {100 * (1 - dis.float().mean()):.2f}% | {margin[dis].median():.3f} | {margin[dis].max():.3f} | "
-                     f"{100 * (1 - dis[margin >= 0.5].float().mean()):.2f}% ({100 * (margin >= 0.5).float().mean():.0f}% of positions) |")
+        lines.append(
+            f"| {name} | {100 * (1 - dis.float().mean()):.2f}% | {margin[dis].median():.3f} | {margin[dis].max():.3f} | "
+            f"{100 * (1 - dis[margin >= 0.5].float().mean()):.2f}% ({100 * (margin >= 0.5).float().mean():.0f}% of positions) |"
+        )
     text = "\n".join(table) + "\n\n" + "\n".join(lines)
     print("\n### study\n\n" + text, flush=True)
     return {"variants": {n: sum(e) / len(e) for n, e in errs.items()}, "markdown": text}
@@ -137,8 +173,10 @@ def paired_bootstrap(report: dict, a: str, b: str, n_boot: int = 2000, seed: int
     for j, (what, unit) in enumerate((("Δppl", " points"), ("KL", " nats/token"))):
         v = sorted(x[j] for x in boots)
         lo, hi = v[int(0.025 * n_boot)], v[int(0.975 * n_boot) - 1]
-        lines.append(f"- {a} minus {b}, {what}: {point[j]:+.5f}{unit} (95% interval {lo:+.5f} … {hi:+.5f}; "
-                     f"paired bootstrap over {n_seq} sequences, {n_boot} resamples)")
+        lines.append(
+            f"- {a} minus {b}, {what}: {point[j]:+.5f}{unit} (95% interval {lo:+.5f} … {hi:+.5f}; "
+            f"paired bootstrap over {n_seq} sequences, {n_boot} resamples)"
+        )
     return "\n".join(lines)
 
 
@@ -154,8 +192,12 @@ def main():
     ap.add_argument("--ablations", action="store_true", help="also: no key scaling / no clip search at 8%%")
     ap.add_argument("--study", action="store_true", help="also: INT4 variants per unit, agreement vs logit margin")
     ap.add_argument("--json", help="write all reports here")
-    ap.add_argument("--bootstrap", nargs=3, metavar=("EVAL_JSON", "A", "B"),
-                    help="only: paired bootstrap of plan A minus plan B from a `bpcompile eval --json` report")
+    ap.add_argument(
+        "--bootstrap",
+        nargs=3,
+        metavar=("EVAL_JSON", "A", "B"),
+        help="only: paired bootstrap of plan A minus plan B from a `bpcompile eval --json` report",
+    )
     a = ap.parse_args()
     if a.bootstrap:
         report = json.loads(Path(a.bootstrap[0]).read_text())
@@ -172,13 +214,19 @@ def main():
     calib = corpus.calibration_samples(tok, a.calib_n, a.calib_length)
     held = corpus.heldout_prompts(tok, a.n, a.length)
     out = {"corpus": corpus.fingerprint(), "args": vars(a)}
-    for name, m in (("as shipped", model), (f"outlier-injected x{a.inject_factor:g}", inject_key_outliers(model, a.inject_factor))):
+    for name, m in (
+        ("as shipped", model),
+        (f"outlier-injected x{a.inject_factor:g}", inject_key_outliers(model, a.inject_factor)),
+    ):
         t = time.perf_counter()
         plans = standard_plans(m, calib, a.group_size)
         plans["int8"] = "int8"
         if a.ablations:
-            for label, extra in (("no key scaling", {"key_scale_alphas": (0.0,)}), ("no clip search", {"clip_ratios": (1.0,)}),
-                                 ("neither", {"key_scale_alphas": (0.0,), "clip_ratios": (1.0,)})):
+            for label, extra in (
+                ("no key scaling", {"key_scale_alphas": (0.0,)}),
+                ("no clip search", {"clip_ratios": (1.0,)}),
+                ("neither", {"key_scale_alphas": (0.0,), "clip_ratios": (1.0,)}),
+            ):
                 meas = measure_units(m, calib, KVCalibConfig(group_size=a.group_size, **extra))
                 plans[f"int4+fp8 8%, {label}"] = plan_from_measurement(meas, m.cfg, 0.08)[0]
         rep = evaluate(m, plans, held)
@@ -188,8 +236,11 @@ def main():
         rep["paired_bootstrap"] = paired_bootstrap(rep, "int4+fp8 8%", "int4-naive")
         rep["seconds"] = time.perf_counter() - t
         out[name] = rep
-        print(f"\n### {name} ({rep['seconds']:.0f}s)\n\n{rep['markdown']}\n\n{rep['paired_bootstrap']}\n\n"
-              f"Calibration (8%):\n\n{calibration_table(cal)}", flush=True)
+        print(
+            f"\n### {name} ({rep['seconds']:.0f}s)\n\n{rep['markdown']}\n\n{rep['paired_bootstrap']}\n\n"
+            f"Calibration (8%):\n\n{calibration_table(cal)}",
+            flush=True,
+        )
     if a.study:
         out["study"] = study(model, calib, held, a.group_size)
     if a.json:

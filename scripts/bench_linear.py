@@ -8,6 +8,7 @@ QKV, fused gate/up, down projection and tied 49152-row head, and the 2-layer dra
 runs), `packed` (oneDNN's reordered weight and kernel: `bpcompile.runtime.model.PackedLinear`). Median of
 `--repeats` timings of `--iters` calls each, microseconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,13 @@ import torch.nn.functional as F
 
 from bpcompile.runtime.model import PackedLinear, _Linear
 
-SHAPES = {"qkv 576->960": (576, 960), "gate_up 576->3072": (576, 3072), "down 1536->576": (1536, 576),
-          "head 576->49152": (576, 49152), "draft head 256->49152": (256, 49152)}
+SHAPES = {
+    "qkv 576->960": (576, 960),
+    "gate_up 576->3072": (576, 3072),
+    "down 1536->576": (1536, 576),
+    "head 576->49152": (576, 49152),
+    "draft head 256->49152": (256, 49152),
+}
 
 
 def timed(fn, iters: int, repeats: int) -> float:
@@ -44,10 +50,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
-    print(f"{a.threads} threads, torch {torch.__version__}; microseconds per call (median of {a.repeats} x "
-          f"{a.iters})\n\n| matrix | rows | x @ Wt | F.linear | packed | packed vs x @ Wt |\n|---|---|---|---|---|---|")
+    print(
+        f"{a.threads} threads, torch {torch.__version__}; microseconds per call (median of {a.repeats} x "
+        f"{a.iters})\n\n| matrix | rows | x @ Wt | F.linear | packed | packed vs x @ Wt |\n|---|---|---|---|---|---|"
+    )
     for name, (k, n) in SHAPES.items():
-        w = torch.randn(n, k, generator=g) * k ** -0.5
+        w = torch.randn(n, k, generator=g) * k**-0.5
         plain, packed = _Linear(w), PackedLinear(_Linear(w))
         for m in map(int, a.rows.split(",")):
             x = torch.randn(m, k, generator=g)
@@ -55,7 +63,9 @@ def main() -> None:
             t_plain = timed(lambda: plain(x), a.iters, a.repeats)
             t_lin = timed(lambda: F.linear(x, w), a.iters, a.repeats)
             t_pack = timed(lambda: packed(x), a.iters, a.repeats)
-            print(f"| {name} | {m} | {t_plain:.0f} | {t_lin:.0f} | {t_pack:.0f} | {t_plain / t_pack:.2f}x |", flush=True)
+            print(
+                f"| {name} | {m} | {t_plain:.0f} | {t_lin:.0f} | {t_pack:.0f} | {t_plain / t_pack:.2f}x |", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ tritonserver on an emitted repository, the endpoint in this process, `bench_remo
 
 Prints a markdown table: per protocol and concurrency, median [min, max] over repeats of TTFT p50, time per
 output token p50 and output tokens/s."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,16 @@ def main() -> int:
     with ServerProcess(a.repo, log_file=Path("/tmp/bench_openai_server.log"), startup_timeout=300) as s:
         front = OpenAIFrontend(a.repo, s.grpc_url).start()
         try:
-            targets = {"grpc (tritonclient, stream)": (s.grpc_url, "grpc"), "openai (/v1/completions, SSE)":
-                       (front.url, "openai")}
+            targets = {
+                "grpc (tritonclient, stream)": (s.grpc_url, "grpc"),
+                "openai (/v1/completions, SSE)": (front.url, "openai"),
+            }
             for _ in range(a.repeats):
                 for c in levels:
                     for name, (url, proto) in targets.items():
-                        r = bench_remote(url, DEFAULT_PROMPTS, n=a.requests, concurrency=c,
-                                         max_tokens=a.max_tokens, protocol=proto)
+                        r = bench_remote(
+                            url, DEFAULT_PROMPTS, n=a.requests, concurrency=c, max_tokens=a.max_tokens, protocol=proto
+                        )
                         assert r["errors"] == 0, r["error_samples"]
                         rows.setdefault((name, c), []).append(r)
         finally:
@@ -53,8 +57,10 @@ def main() -> int:
     print("| client | concurrency | TTFT p50 (ms) | time per output token p50 (ms) | output tokens/s |")
     print("|---|---|---|---|---|")
     for (name, c), rs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"| {name} | {c} | {fmt([r['ttft_s']['p50'] for r in rs], 1e3)} | "
-              f"{fmt([r['tpot_s']['p50'] for r in rs], 1e3, 2)} | {fmt([r['output_tokens_per_s'] for r in rs])} |")
+        print(
+            f"| {name} | {c} | {fmt([r['ttft_s']['p50'] for r in rs], 1e3)} | "
+            f"{fmt([r['tpot_s']['p50'] for r in rs], 1e3, 2)} | {fmt([r['output_tokens_per_s'] for r in rs])} |"
+        )
     return 0
 
 

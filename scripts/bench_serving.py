@@ -7,6 +7,7 @@ off (verifier only).
 Without --engine an engine version is made from models/tiny (or small random models while the tiny pair is not
 there: tests/serving_fixtures.py) in a temporary directory. Greedy decoding, fixed max_tokens, closed loop.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,9 +58,14 @@ def in_process(engine: Path, tree, prompts, concurrency: int, n: int, max_tokens
                 steps += o.stats.verifier_steps
                 committed += o.stats.tau * o.stats.verifier_steps
     wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": n, "output_tokens": toks, "output_tokens_per_s": toks / wall,
-            "latency_s": {"p50": statistics.median(lat), "mean": statistics.fmean(lat)},
-            "tokens_per_step": committed / steps if steps else None}
+    return {
+        "concurrency": concurrency,
+        "requests": n,
+        "output_tokens": toks,
+        "output_tokens_per_s": toks / wall,
+        "latency_s": {"p50": statistics.median(lat), "mean": statistics.fmean(lat)},
+        "tokens_per_step": committed / steps if steps else None,
+    }
 
 
 def main():
@@ -78,8 +84,13 @@ def main():
         from serving_fixtures import make_engine
 
         engine = make_engine(tmp / "engine" / "1")
-    results = {"engine": str(engine), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
-               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "max_tokens": a.max_tokens, "runs": []}
+    results = {
+        "engine": str(engine),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "max_tokens": a.max_tokens,
+        "runs": [],
+    }
     for label, tree in (("speculation", None), ("verifier only", {"kind": "none"})):
         repo = tmp / f"repo-{'spec' if tree is None else 'nospec'}"
         emit_repository([(1, engine)], repo, tree=tree)
@@ -90,12 +101,15 @@ def main():
                 local = in_process(engine, tree, DEFAULT_PROMPTS, c, n, a.max_tokens)
                 row = {"mode": label, "concurrency": c, "triton": remote, "in_process": local}
                 results["runs"].append(row)
-                print(f"{label:14s} c={c}: triton {remote['output_tokens_per_s']:.1f} tok/s "
-                      f"(ttft p50 {remote['ttft_s']['p50'] * 1e3:.0f} ms, tpot p50 {remote['tpot_s']['p50'] * 1e3:.1f} ms, "
-                      f"latency p50/p90/p99 {remote['latency_s']['p50']:.2f}/{remote['latency_s']['p90']:.2f}/"
-                      f"{remote['latency_s']['p99']:.2f} s, tokens/step {remote['tokens_per_step'] or 0:.2f}, "
-                      f"errors {remote['errors']}) | in-process {local['output_tokens_per_s']:.1f} tok/s "
-                      f"(latency p50 {local['latency_s']['p50']:.2f} s)", flush=True)
+                print(
+                    f"{label:14s} c={c}: triton {remote['output_tokens_per_s']:.1f} tok/s "
+                    f"(ttft p50 {remote['ttft_s']['p50'] * 1e3:.0f} ms, tpot p50 {remote['tpot_s']['p50'] * 1e3:.1f} ms, "
+                    f"latency p50/p90/p99 {remote['latency_s']['p50']:.2f}/{remote['latency_s']['p90']:.2f}/"
+                    f"{remote['latency_s']['p99']:.2f} s, tokens/step {remote['tokens_per_step'] or 0:.2f}, "
+                    f"errors {remote['errors']}) | in-process {local['output_tokens_per_s']:.1f} tok/s "
+                    f"(latency p50 {local['latency_s']['p50']:.2f} s)",
+                    flush=True,
+                )
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return results

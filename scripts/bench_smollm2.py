@@ -19,6 +19,7 @@ on every prompt, rows in a rotated order, so drift hits all rows alike. A ratio 
 (row's total time / the reference row's total time) inverted, with the min..max over repeats beside it.
 Greedy identity: every speculative row's tokens must equal verifier-only's (same FP16 cache) on every prompt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bpcompile.build import corpus
-from bpcompile.build.calibrate import calibrate  # noqa: E402
-from bpcompile.build.convert import convert_checkpoint  # noqa: E402
+from bpcompile.compiler import corpus
+from bpcompile.compiler.calibrate import calibrate  # noqa: E402
+from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
+from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
 from bpcompile.runtime.kvcache import kv_store_factory  # noqa: E402
 from bpcompile.runtime.model import FeatureDraft, Llama  # noqa: E402
-from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec  # noqa: E402
 from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
 
 
@@ -66,12 +67,20 @@ def prompts(tok, n: int, max_prompt: int, seed: int) -> list[list[int]]:
 
 
 def ours(verifier, draft, tree, kv_factory, backoff=True):
-    gen = Generator(verifier, draft if tree.kind != "none" else None, tree, max_batch_size=1, max_seq_len=1024,
-                    kv_store_factory=kv_factory, backoff=backoff)
+    gen = Generator(
+        verifier,
+        draft if tree.kind != "none" else None,
+        tree,
+        max_batch_size=1,
+        max_seq_len=1024,
+        kv_store_factory=kv_factory,
+        backoff=backoff,
+    )
 
     def run(ids, n):
-        (toks, stats), = gen.generate([ids], SamplingParams(max_tokens=n))
+        ((toks, stats),) = gen.generate([ids], SamplingParams(max_tokens=n))
         return toks, stats.tau
+
     return run
 
 
@@ -80,7 +89,8 @@ def hf(model, assistant=None):
         x = torch.tensor([ids])
         kw = {"assistant_model": assistant} if assistant is not None else {}
         out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2, **kw)
-        return out[0, len(ids):].tolist(), None
+        return out[0, len(ids) :].tolist(), None
+
     return run
 
 
@@ -88,8 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--verifier", default=str(REPO / "models/smollm2/verifier"))
     ap.add_argument("--draft", default=str(REPO / "models/smollm2/draft"))
-    ap.add_argument("--feature-draft", default=str(REPO / "models/smollm2/feature_draft"),
-                    help="the FeatureDraft for the feat_* rows (scripts/train_smollm2_feature_draft.py)")
+    ap.add_argument(
+        "--feature-draft",
+        default=str(REPO / "models/smollm2/feature_draft"),
+        help="the FeatureDraft for the feat_* rows (scripts/train_smollm2_feature_draft.py)",
+    )
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=256, help="longest prompt kept, in tokens")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -98,15 +111,25 @@ def main() -> None:
     ap.add_argument("--rows", default="all", help="comma-separated row keys to run (default: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the raw timings here")
-    ap.add_argument("--kv", action="append", default=[], metavar="KEY=VALUE",
-                    help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
-                         "key_transform=klt); the rows still say 'default KV plan'")
-    ap.add_argument("--weights", choices=("both", "rows", "packed", "plain"), default="both",
-                    help="bpcompile's weight layout (runtime.cpu_weights; engines run both by default): both = plain "
-                         "for single rows and bpcompile's few-row kernel (else oneDNN-packed) for several, rows = "
-                         "the few-row kernel only, packed = oneDNN-packed only, plain = PyTorch's plain products")
-    ap.add_argument("--plain-weights", dest="weights", action="store_const", const="plain",
-                    help="the same as --weights plain")
+    ap.add_argument(
+        "--kv",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a kv_cache key of the recipe for the plan rows, as a recipe would (repeatable; e.g. "
+        "key_transform=klt); the rows still say 'default KV plan'",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=("both", "rows", "packed", "plain"),
+        default="both",
+        help="bpcompile's weight layout (runtime.cpu_weights; engines run both by default): both = plain "
+        "for single rows and bpcompile's few-row kernel (else oneDNN-packed) for several, rows = "
+        "the few-row kernel only, packed = oneDNN-packed only, plain = PyTorch's plain products",
+    )
+    ap.add_argument(
+        "--plain-weights", dest="weights", action="store_const", const="plain", help="the same as --weights plain"
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,18 +150,22 @@ def main() -> None:
         if b.is_floating_point() and "norm" not in name:
             torch.nn.init.normal_(b, std=0.02)
     t = time.perf_counter()
-    from bench_overhead import default_kv_cache  # this directory: the recipe's kv_cache as the native target resolves it
-
     import yaml
+    from bench_overhead import (
+        default_kv_cache,  # this directory: the recipe's kv_cache as the native target resolves it
+    )
 
     if any("=" not in kv for kv in a.kv):
         ap.error(f"--kv takes KEY=VALUE, got {[kv for kv in a.kv if '=' not in kv]}")
     overrides = {k: yaml.safe_load(x) for k, x in (kv.split("=", 1) for kv in a.kv)}
-    plan, _ = calibrate(v, corpus.calibration_samples(a.verifier, 16, 128), default_kv_cache(overrides),
-                        tokenizer=a.verifier)
-    print(f"calibrated the default plan{' with ' + ', '.join(a.kv) if a.kv else ''} in {time.perf_counter() - t:.0f}s "
-          f"({plan.compression_vs_fp16(2048, 6):.2f}x at 2048 tokens)",
-          file=sys.stderr)
+    plan, _ = calibrate(
+        v, corpus.calibration_samples(a.verifier, 16, 128), default_kv_cache(overrides), tokenizer=a.verifier
+    )
+    print(
+        f"calibrated the default plan{' with ' + ', '.join(a.kv) if a.kv else ''} in {time.perf_counter() - t:.0f}s "
+        f"({plan.compression_vs_fp16(2048, 6):.2f}x at 2048 tokens)",
+        file=sys.stderr,
+    )
     if a.weights != "plain":  # as `Generator.from_engine` runs them on CPU (after calibration: it backpropagates)
         for m in (v, d, rnd):
             m.pack_for_cpu(a.weights)
@@ -158,39 +185,70 @@ def main() -> None:
         "hf_assisted": ("transformers assisted generation, shipped draft", hf(hv, hd)),
         "fp16": ("bpcompile verifier only, FP16 KV", ours(v, None, TreeSpec("none"), fp16)),
         "plan": ("bpcompile verifier only, default KV plan", ours(v, None, TreeSpec("none"), kv_store_factory(plan))),
-        "plan_codes": ("bpcompile verifier only, default KV plan without its exact entries",
-                       ours(v, None, TreeSpec("none"), kv_store_factory(replace(plan, sink_tokens=0, recent_window=0)))),
+        "plan_codes": (
+            "bpcompile verifier only, default KV plan without its exact entries",
+            ours(v, None, TreeSpec("none"), kv_store_factory(replace(plan, sink_tokens=0, recent_window=0))),
+        ),
         "chain3": ("bpcompile chain 3, FP16 KV, back-off", ours(v, d, TreeSpec("chain", length=3), fp16)),
         "dyn5": ("bpcompile dynamic tree 5, FP16 KV, back-off", ours(v, d, TreeSpec("dynamic", nodes=5), fp16)),
-        "chain3_raw": ("bpcompile chain 3, FP16 KV, no back-off",
-                       ours(v, d, TreeSpec("chain", length=3), fp16, backoff=False)),
-        "dyn5_raw": ("bpcompile dynamic tree 5, FP16 KV, no back-off",
-                     ours(v, d, TreeSpec("dynamic", nodes=5), fp16, backoff=False)),
-        "static2_raw": ("bpcompile static tree [[0], [1]] (the draft's top 2 at depth 1), FP16 KV, no back-off",
-                        ours(v, d, TreeSpec("static", choices=[[0], [1]]), fp16, backoff=False)),
-        "random": ("bpcompile dynamic tree 5, random-weight draft, back-off", ours(v, rnd, TreeSpec("dynamic", nodes=5), fp16)),
+        "chain3_raw": (
+            "bpcompile chain 3, FP16 KV, no back-off",
+            ours(v, d, TreeSpec("chain", length=3), fp16, backoff=False),
+        ),
+        "dyn5_raw": (
+            "bpcompile dynamic tree 5, FP16 KV, no back-off",
+            ours(v, d, TreeSpec("dynamic", nodes=5), fp16, backoff=False),
+        ),
+        "static2_raw": (
+            "bpcompile static tree [[0], [1]] (the draft's top 2 at depth 1), FP16 KV, no back-off",
+            ours(v, d, TreeSpec("static", choices=[[0], [1]]), fp16, backoff=False),
+        ),
+        "random": (
+            "bpcompile dynamic tree 5, random-weight draft, back-off",
+            ours(v, rnd, TreeSpec("dynamic", nodes=5), fp16),
+        ),
     }
     if fd is not None:
-        rows.update({
-            "feat_chain3": ("bpcompile chain 3, feature draft, FP16 KV, back-off",
-                            ours(v, fd, TreeSpec("chain", length=3), fp16)),
-            "feat_chain4_raw": ("bpcompile chain 4, feature draft, FP16 KV, no back-off",
-                                ours(v, fd, TreeSpec("chain", length=4), fp16, backoff=False)),
-            "feat_dyn6_raw": ("bpcompile dynamic tree 6, feature draft, FP16 KV, no back-off",
-                              ours(v, fd, TreeSpec("dynamic", nodes=6), fp16, backoff=False)),
-            "feat_chain3_raw": ("bpcompile chain 3, feature draft, FP16 KV, no back-off",
-                                ours(v, fd, TreeSpec("chain", length=3), fp16, backoff=False)),
-            "feat_dyn5_raw": ("bpcompile dynamic tree 5, feature draft, FP16 KV, no back-off",
-                              ours(v, fd, TreeSpec("dynamic", nodes=5), fp16, backoff=False)),
-            "feat_random": ("bpcompile dynamic tree 5, random-weight feature draft, back-off",
-                            ours(v, fd_rnd, TreeSpec("dynamic", nodes=5), fp16)),
-            "feat_dyn5": ("bpcompile dynamic tree 5, feature draft, FP16 KV, back-off",
-                          ours(v, fd, TreeSpec("dynamic", nodes=5), fp16)),
-            "feat_plan_dyn5": ("bpcompile dynamic tree 5, feature draft, default KV plan, back-off",
-                               ours(v, fd, TreeSpec("dynamic", nodes=5), kv_store_factory(plan))),
-            "feat_plan_chain3_raw": ("bpcompile chain 3, feature draft, default KV plan, no back-off",
-                                     ours(v, fd, TreeSpec("chain", length=3), kv_store_factory(plan), backoff=False)),
-        })
+        rows.update(
+            {
+                "feat_chain3": (
+                    "bpcompile chain 3, feature draft, FP16 KV, back-off",
+                    ours(v, fd, TreeSpec("chain", length=3), fp16),
+                ),
+                "feat_chain4_raw": (
+                    "bpcompile chain 4, feature draft, FP16 KV, no back-off",
+                    ours(v, fd, TreeSpec("chain", length=4), fp16, backoff=False),
+                ),
+                "feat_dyn6_raw": (
+                    "bpcompile dynamic tree 6, feature draft, FP16 KV, no back-off",
+                    ours(v, fd, TreeSpec("dynamic", nodes=6), fp16, backoff=False),
+                ),
+                "feat_chain3_raw": (
+                    "bpcompile chain 3, feature draft, FP16 KV, no back-off",
+                    ours(v, fd, TreeSpec("chain", length=3), fp16, backoff=False),
+                ),
+                "feat_dyn5_raw": (
+                    "bpcompile dynamic tree 5, feature draft, FP16 KV, no back-off",
+                    ours(v, fd, TreeSpec("dynamic", nodes=5), fp16, backoff=False),
+                ),
+                "feat_random": (
+                    "bpcompile dynamic tree 5, random-weight feature draft, back-off",
+                    ours(v, fd_rnd, TreeSpec("dynamic", nodes=5), fp16),
+                ),
+                "feat_dyn5": (
+                    "bpcompile dynamic tree 5, feature draft, FP16 KV, back-off",
+                    ours(v, fd, TreeSpec("dynamic", nodes=5), fp16),
+                ),
+                "feat_plan_dyn5": (
+                    "bpcompile dynamic tree 5, feature draft, default KV plan, back-off",
+                    ours(v, fd, TreeSpec("dynamic", nodes=5), kv_store_factory(plan)),
+                ),
+                "feat_plan_chain3_raw": (
+                    "bpcompile chain 3, feature draft, default KV plan, no back-off",
+                    ours(v, fd, TreeSpec("chain", length=3), kv_store_factory(plan), backoff=False),
+                ),
+            }
+        )
     if a.rows != "all":
         keep = a.rows.split(",")
         rows = {k: r for k, r in rows.items() if k in keep or k in ("hf", "fp16")}
@@ -217,43 +275,83 @@ def main() -> None:
         rs = [total[ref][r] / total[k][r] for r in range(a.repeats)]
         return statistics.median(rs), min(rs), max(rs)
 
-    spec_rows = ("chain3", "dyn5", "chain3_raw", "dyn5_raw", "static2_raw", "random", "feat_chain3", "feat_chain4_raw",
-                 "feat_dyn6_raw", "feat_chain3_raw", "feat_dyn5_raw", "feat_dyn5", "feat_random")
+    spec_rows = (
+        "chain3",
+        "dyn5",
+        "chain3_raw",
+        "dyn5_raw",
+        "static2_raw",
+        "random",
+        "feat_chain3",
+        "feat_chain4_raw",
+        "feat_dyn6_raw",
+        "feat_chain3_raw",
+        "feat_dyn5_raw",
+        "feat_dyn5",
+        "feat_random",
+    )
     identical = {k: sum(toks[k][i] == toks["fp16"][i] for i in range(len(ps))) for k in keys if k in spec_rows}
     n_tok = a.max_tokens * len(ps)
     packed = getattr(fd.layers[0].qkv, "packed", None) if fd is not None else None
-    draft_note = "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
+    draft_note = (
+        "; the feature draft's linears in bfloat16" if packed is not None and packed.dtype == torch.bfloat16 else ""
+    )
     few = "bpcompile's few-row kernel" if type(v.head).__name__ == "RowsLinear" else "oneDNN-packed"
-    layout = {"plain": "plain layout", "packed": "oneDNN-packed", "rows": few,
-              "both": f"{few} for several rows, plain for one"}[a.weights]
-    lines = [f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
-             f"weights ({layout} for bpcompile{draft_note}), "
-             f"{a.threads} threads, "
-             f"torch {torch.__version__}, {platform.processor() or platform.machine()}",
-             "", "| row | tokens/s (median) | vs transformers | vs verifier-only FP16 | tau |", "|---|---|---|---|---|"]
+    layout = {
+        "plain": "plain layout",
+        "packed": "oneDNN-packed",
+        "rows": few,
+        "both": f"{few} for several rows, plain for one",
+    }[a.weights]
+    lines = [
+        f"{len(ps)} prompts x {a.max_tokens} new tokens, {a.repeats} interleaved repeats, batch 1, float32 "
+        f"weights ({layout} for bpcompile{draft_note}), "
+        f"{a.threads} threads, "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}",
+        "",
+        "| row | tokens/s (median) | vs transformers | vs verifier-only FP16 | tau |",
+        "|---|---|---|---|---|",
+    ]
     for k in keys:
         tps = n_tok / statistics.median(total[k])
         rh, rf = ratio(k, "hf"), ratio(k, "fp16")
         tau = f"{statistics.mean(taus[k]):.2f}" if taus[k] and (k in spec_rows or k.startswith("feat")) else ""
-        lines.append(f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
-                     f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |")
+        lines.append(
+            f"| {rows[k][0]} | {tps:.1f} | {rh[0]:.2f}x ({rh[1]:.2f}..{rh[2]:.2f}) | "
+            f"{rf[0]:.2f}x ({rf[1]:.2f}..{rf[2]:.2f}) | {tau} |"
+        )
     if "hf_assisted" in keys:
         for k in spec_rows:
             if k in keys and k not in ("random", "feat_random"):
                 r = ratio(k, "hf_assisted")
-                lines.append(f"\n{rows[k][0]} vs transformers assisted generation: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})")
+                lines.append(
+                    f"\n{rows[k][0]} vs transformers assisted generation: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})"
+                )
     if "plan" in keys:  # speculation over the default plan's cache against verifier-only on the same cache
         for k in ("feat_plan_dyn5", "feat_plan_chain3_raw"):
             if k in keys:
                 r = ratio(k, "plan")
-                lines.append(f"\n{rows[k][0]} vs verifier-only with the default KV plan: {r[0]:.2f}x "
-                             f"({r[1]:.2f}..{r[2]:.2f})")
-    lines.append("\nGreedy identity with verifier-only (FP16 KV): " +
-                 ", ".join(f"{k} {n}/{len(ps)}" for k, n in identical.items()))
+                lines.append(
+                    f"\n{rows[k][0]} vs verifier-only with the default KV plan: {r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})"
+                )
+    lines.append(
+        "\nGreedy identity with verifier-only (FP16 KV): "
+        + ", ".join(f"{k} {n}/{len(ps)}" for k, n in identical.items())
+    )
     print("\n".join(lines))
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "times": times, "taus": taus, "identical": identical,
-                                            "rows": {k: rows[k][0] for k in keys}}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(a),
+                    "times": times,
+                    "taus": taus,
+                    "identical": identical,
+                    "rows": {k: rows[k][0] for k in keys},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ token in bf16 ulps of its top logit (<= 1: a tie that rounding decides).
 
     .venv/bin/python scripts/check_bf16_parity.py --prompts 50 --tokens 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from bpcompile.build.convert import convert_checkpoint  # noqa: E402
-from bpcompile.build.corpus import heldout_prompts  # noqa: E402
+from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
+from bpcompile.compiler.corpus import heldout_prompts  # noqa: E402
 from bpcompile.eval.hf_parity import check_near_ties, greedy_parity  # noqa: E402
 from bpcompile.runtime.model import Llama  # noqa: E402
 from bpcompile.runtime.speculative import TreeSpec  # noqa: E402
@@ -37,8 +38,14 @@ def main() -> int:
             convert_checkpoint(a.pair / which, Path(tmp) / which)
             models[which] = Llama.from_checkpoint(Path(tmp) / which, dtype=torch.bfloat16)
         prompts = heldout_prompts(Tokenizer.from_file(str(a.pair / "verifier" / "tokenizer.json")), a.prompts, 16)
-        report = greedy_parity(a.pair / "verifier", models["verifier"], models["draft"], prompts, a.tokens,
-                               {"verifier only": TreeSpec("none"), "dynamic tree": TreeSpec("dynamic", nodes=5)})
+        report = greedy_parity(
+            a.pair / "verifier",
+            models["verifier"],
+            models["draft"],
+            prompts,
+            a.tokens,
+            {"verifier only": TreeSpec("none"), "dynamic tree": TreeSpec("dynamic", nodes=5)},
+        )
     print(json.dumps(report, indent=1))
     bad = check_near_ties(report)
     for b in bad:

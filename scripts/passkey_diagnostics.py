@@ -89,6 +89,7 @@ engines: rows are whole plans as `bpcompile build` calibrated them: the --engine
 versions named by --compare (e.g. recipes/smollm2.yaml with another `recent_window` or `int3_values`), so that a
 screen measures exactly what a recipe would ship.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,9 +106,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bpcompile.build.calibrate import (KVCalibConfig, measure_units, plan_from_measurement,  # noqa: E402
-                                      retrieval_scores)
-from bpcompile.build.corpus import calibration_samples  # noqa: E402
+from bpcompile.compiler.calibrate import KVCalibConfig, measure_units, plan_from_measurement, retrieval_scores  # noqa: E402
+from bpcompile.compiler.corpus import calibration_samples  # noqa: E402
 from bpcompile.eval import evaluate as E  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, make_kv_store  # noqa: E402
 from bpcompile.runtime.model import Llama  # noqa: E402
@@ -120,7 +120,7 @@ def passkey_probes(tok, length: int, trials: int, seed: int) -> list[dict]:
     for t in E.passkey_trials(tok, length, trials, seed):
         ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
         key = ids[ks:]
-        needle = sorted({j + i for j in range(P - len(key)) if ids[j:j + len(key)] == key for i in range(len(key))})
+        needle = sorted({j + i for j in range(P - len(key)) if ids[j : j + len(key)] == key for i in range(len(key))})
         out.append({"ids": ids, "needle": needle, "answer": list(range(ks, len(ids)))})
     return out
 
@@ -131,9 +131,15 @@ def with_units(plan: KVPlan, units, precision: str = "int8", keep_fp8: int | Non
     ratio calibration found for them."""
     p = deepcopy(plan)
     if keep_fp8 is not None:
-        fp8 = sorted(((u["fisher_error"], lay["layer"], u["kind"], u["head"], u["clip"])
-                      for lay in plan.calibration["layers"] for u in lay["units"] if u["precision"] == "fp8"),
-                     reverse=True)
+        fp8 = sorted(
+            (
+                (u["fisher_error"], lay["layer"], u["kind"], u["head"], u["clip"])
+                for lay in plan.calibration["layers"]
+                for u in lay["units"]
+                if u["precision"] == "fp8"
+            ),
+            reverse=True,
+        )
         for _, layer, kv, head, clip in fp8[keep_fp8:]:
             p.precision[layer][kv][head] = "int4"
             p.int4_clip[layer, 0 if kv == "k" else 1, head] = clip
@@ -192,14 +198,16 @@ class NoiseDecoder:
             rep = H // kv[0].shape[1]
             R = lambda x: x.repeat_interleave(rep, 1)  # noqa: E731  [N, KV, D] -> [N, H, D]
             ke, ve = (x.half().float() for x in kv)  # the exact copies are FP16
-            qs = q[0] * D ** -0.5
+            qs = q[0] * D**-0.5
             s_q = torch.einsum("thd,nhd->htn", qs, R(rd[0]))
             if self.mode == "corr":
                 s_q = s_q - 0.5 * torch.einsum("thd,nhd->htn", qs * qs, R((rd[0] - ke) ** 2))
             s_e = torch.einsum("thd,nhd->htn", qs, R(ke))
             p = torch.softmax(torch.where(ex[None], s_e, s_q).masked_fill(~visible[None], float("-inf")), -1)
-            return (torch.einsum("htn,nhd->thd", p * ~ex[None], R(rd[1]))
-                    + torch.einsum("htn,nhd->thd", p * ex[None], R(ve)))[None]
+            return (
+                torch.einsum("htn,nhd->thd", p * ~ex[None], R(rd[1]))
+                + torch.einsum("htn,nhd->thd", p * ex[None], R(ve))
+            )[None]
 
         out = self.v.forward(torch.tensor([tokens]), new[None], attend=attend)[0]
         self.n = N
@@ -232,11 +240,15 @@ def split_window(keys, values, key_window=None):
         R = lambda x: x.repeat_interleave(rep, 2)  # noqa: E731  [B, N, KV, D] -> [B, N, H, D]
         ke, ve = (x.half().to(q.dtype) for x in (k, v))  # the exact copies are FP16
         qs = q * q.shape[-1] ** -0.5
-        s = torch.where(exk[None], torch.einsum("bthd,bnhd->bhtn", qs, R(ke)),
-                        torch.einsum("bthd,bnhd->bhtn", qs, R(kh)))
+        s = torch.where(
+            exk[None], torch.einsum("bthd,bnhd->bhtn", qs, R(ke)), torch.einsum("bthd,bnhd->bhtn", qs, R(kh))
+        )
         p = torch.softmax(s.masked_fill(~visible[None], float("-inf")), -1)
-        return (torch.einsum("bhtn,bnhd->bthd", p * ~exv[None], R(vh))
-                + torch.einsum("bhtn,bnhd->bthd", p * exv[None], R(ve))).to(q.dtype)
+        return (
+            torch.einsum("bhtn,bnhd->bthd", p * ~exv[None], R(vh))
+            + torch.einsum("bhtn,bnhd->bthd", p * exv[None], R(ve))
+        ).to(q.dtype)
+
     return attend
 
 
@@ -254,7 +266,7 @@ def register_lowbit_values() -> None:
     from bpcompile.runtime import kvcache as C
 
     def codec(bits, step):
-        top = 2 ** bits - 1
+        top = 2**bits - 1
 
         def encode(x, group_size, clip, decoded):
             xg = C._groups(x.float(), group_size)
@@ -269,7 +281,9 @@ def register_lowbit_values() -> None:
         def pack(n):
             if bits == 2:
                 h = n.shape[-1] // 4
-                return (n[..., :h] | n[..., h:2 * h] << 2 | n[..., 2 * h:3 * h] << 4 | n[..., 3 * h:] << 6).to(torch.uint8)
+                return (n[..., :h] | n[..., h : 2 * h] << 2 | n[..., 2 * h : 3 * h] << 4 | n[..., 3 * h :] << 6).to(
+                    torch.uint8
+                )
             w = (n.reshape(*n.shape[:-1], -1, 8) << (3 * torch.arange(8, device=n.device))).sum(-1)
             return torch.stack([(w >> (8 * i)) & 255 for i in range(3)], -1).reshape(*n.shape[:-1], -1).to(torch.uint8)
 
@@ -282,13 +296,15 @@ def register_lowbit_values() -> None:
                 n = torch.stack([(w >> (3 * i)) & 7 for i in range(8)], -1).reshape(*b.shape[:-1], -1)
             q = n.float() - top / 2
             return (C._groups(q, group_size) * scales.float()[..., None]).reshape(q.shape)
+
         return encode, decode
 
     if "int2" in C.PRECISION_CODES:
         return
     new = []
-    for code, (name, bits, step) in enumerate((("int2", 2, 0.996), ("int3-rms", 3, 0.586), ("int3-absmax", 3, None)),
-                                              start=len(C.PRECISIONS)):
+    for code, (name, bits, step) in enumerate(
+        (("int2", 2, 0.996), ("int3-rms", 3, 0.586), ("int3-absmax", 3, None)), start=len(C.PRECISIONS)
+    ):
         enc, dec = codec(bits, step)
         new.append(C.UnitPrecision(name, code, torch.uint8, lambda d, b=bits: d * b // 8, enc, dec))
     C.PRECISIONS = C.PRECISIONS + tuple(new)
@@ -296,21 +312,27 @@ def register_lowbit_values() -> None:
         C.BY_CODE[prec.code], C.PRECISION_CODES[prec.name] = prec, prec.code
 
 
-def lowbit_values(plan: KVPlan, cfg, key_layers, precision: str, base: str = "int4", window: int | None = None,
-                  keep_fp8: bool = True) -> KVPlan:
+def lowbit_values(
+    plan: KVPlan, cfg, key_layers, precision: str, base: str = "int4", window: int | None = None, keep_fp8: bool = True
+) -> KVPlan:
     """plan with the keys of key_layers in INT8, its INT4 value units in `base` and, least sensitive first (the
     calibration's fisher_error at INT4), as many of them in `precision` as it takes to get back to >= 3.5x
     allocated. window: another exact window; keep_fp8=False: its FP8 units in INT4 (keys) or `base` (values)."""
-    p = with_units(plan, [(layer, h) for layer in key_layers for h in range(plan.num_kv_heads)],
-                   keep_fp8=None if keep_fp8 else 0)
+    p = with_units(
+        plan, [(layer, h) for layer in key_layers for h in range(plan.num_kv_heads)], keep_fp8=None if keep_fp8 else 0
+    )
     if window is not None:
         p.recent_window = window
     for layer in p.precision:
         layer["v"] = [base if x == "int4" else x for x in layer["v"]]
     if precision == base:
         return p
-    values = sorted((u["fisher_error"], lay["layer"], u["head"]) for lay in plan.calibration["layers"]
-                    for u in lay["units"] if u["kind"] == "v" and u["precision"] == "int4")
+    values = sorted(
+        (u["fisher_error"], lay["layer"], u["head"])
+        for lay in plan.calibration["layers"]
+        for u in lay["units"]
+        if u["kind"] == "v" and u["precision"] == "int4"
+    )
     for _, layer, head in values:
         if E.allocated_compression(p, cfg) >= 3.5:
             break
@@ -353,31 +375,44 @@ def finer_keys(plan: KVPlan, cfg, keys) -> KVPlan:
 
 def patched(attend, fn):
     """fn with eval's attend_exact replaced by `attend` while it runs."""
+
     def run(*args):
         orig, E.attend_exact = E.attend_exact, attend
         try:
             return fn(*args)
         finally:
             E.attend_exact = orig
+
     return run
 
 
 def fidelity(v, tok_dir, plans: dict, attends: dict) -> None:
     """eval's fidelity rows (16 x 256 held-out windows, FP16 KV the reference) of each plan, through its attention."""
-    from bpcompile.build.corpus import text_windows
+    from bpcompile.compiler.corpus import text_windows
 
     windows = text_windows(tok_dir / "tokenizer.json", E._text(None)[0], 256, 16, 0, "eval text")
     base = E.evaluate(v, {"fp16": "fp16"}, windows)["rows"][0]["ppl"]
     for name, p in plans.items():
         r = patched(attends.get(name, E.attend_exact), E.evaluate)(v, {name: p}, windows)
         x = r["rows"][-1]
-        print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, ppl {x['ppl']:.3f} ({x['ppl'] / base - 1:+.2%} vs FP16 KV), "
-              f"top-1 {x['top1_agreement']:.2%}, KL {x['kl_vs_fp16']:.5f}", flush=True)
+        print(
+            f"{name}: {E.allocated_compression(p, v.cfg):.3f}x, ppl {x['ppl']:.3f} ({x['ppl'] / base - 1:+.2%} vs FP16 KV), "
+            f"top-1 {x['top1_agreement']:.2%}, KL {x['kl_vs_fp16']:.5f}",
+            flush=True,
+        )
 
 
 # the experiments that start from the previous default engine (INT8 retrieval keys and an exact window)
-FROM_DEFAULT = ("window", "budget", "lowbits", "lowbits-bands", "lowbits-window", "lowbits-drop", "midbits",
-                "midbits-budget")
+FROM_DEFAULT = (
+    "window",
+    "budget",
+    "lowbits",
+    "lowbits-bands",
+    "lowbits-window",
+    "lowbits-drop",
+    "midbits",
+    "midbits-budget",
+)
 # the experiments that start from the default with INT5 keys
 FROM_INT5 = ("int5-2k", "two-bands")
 # the experiment whose rows are other engine versions' own plans (as `bpcompile build` calibrated them)
@@ -401,10 +436,20 @@ def depth_range(text: str) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=("sensitivity", "calibration", "noise", "heads", "candidates") + FROM_DEFAULT
-                    + FROM_INT5 + ENGINES + FROM_INT3 + FROM_INT5_INT3)
-    ap.add_argument("--engine", required=True, help="engine version: the plan before retrieval units (window, budget: "
-                    "the default engine)")
+    ap.add_argument(
+        "experiment",
+        choices=("sensitivity", "calibration", "noise", "heads", "candidates")
+        + FROM_DEFAULT
+        + FROM_INT5
+        + ENGINES
+        + FROM_INT3
+        + FROM_INT5_INT3,
+    )
+    ap.add_argument(
+        "--engine",
+        required=True,
+        help="engine version: the plan before retrieval units (window, budget: the default engine)",
+    )
     ap.add_argument("--length", default="4096", help="prompt length in tokens, or several, comma-separated")
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
@@ -412,9 +457,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default=None, help="only these rows besides fp16 (exact names, ;-separated)")
     ap.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the held-out fidelity rows")
-    ap.add_argument("--depth", default=None, type=depth_range,
-                    help="only the trials whose key depth is in [A, B), as A:B")
-    ap.add_argument("--compare", default="", help="engines: more engine versions whose plans are rows (comma-separated)")
+    ap.add_argument(
+        "--depth", default=None, type=depth_range, help="only the trials whose key depth is in [A, B), as A:B"
+    )
+    ap.add_argument(
+        "--compare", default="", help="engines: more engine versions whose plans are rows (comma-separated)"
+    )
     ap.add_argument("--out", default=None, help="write the per-trial outcomes here (JSON)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -426,18 +474,26 @@ def main() -> int:
     plan = KVPlan.load(d / "kv_plan")
     has_int8 = any(x == "int8" for layer in plan.precision for x in layer["k"] + layer["v"])
     if a.experiment in FROM_DEFAULT and not (has_int8 and plan.recent_window):
-        ap.error(f"{d}: {a.experiment} starts from the plan before INT5 keys (INT8 retrieval keys and an exact window: "
-                 "build recipes/smollm2.yaml with kv_cache: {int5_keys: none})")
+        ap.error(
+            f"{d}: {a.experiment} starts from the plan before INT5 keys (INT8 retrieval keys and an exact window: "
+            "build recipes/smollm2.yaml with kv_cache: {int5_keys: none})"
+        )
     has_int5 = any(x == "int5" for layer in plan.precision for x in layer["k"])
     if a.experiment in FROM_INT3 and not any(x == "int3" for layer in plan.precision for x in layer["v"]):
         ap.error(f"{d}: {a.experiment} starts from the default plan with INT3 values (engines/smollm2/3)")
     if a.experiment not in ENGINES + FROM_INT3 and (a.experiment in FROM_INT5 + FROM_INT5_INT3) != has_int5:
-        ap.error(f"{d}: {a.experiment} " + ("starts from the default plan with INT5 keys (engines/smollm2/2)"
-                 if a.experiment in FROM_INT5 else "starts from a plan without INT5 keys"))
+        ap.error(
+            f"{d}: {a.experiment} "
+            + (
+                "starts from the default plan with INT5 keys (engines/smollm2/2)"
+                if a.experiment in FROM_INT5
+                else "starts from a plan without INT5 keys"
+            )
+        )
     if a.experiment not in FROM_DEFAULT + FROM_INT5 + ENGINES + FROM_INT3 and has_int8:
         ap.error(f"{d}: its plan already has INT8 (retrieval) units; the experiments start from the plan before them")
     show = fidelity if a.fidelity else (lambda *args: None)
-    greedy = lambda p: (lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS))  # noqa: E731
+    greedy = lambda p: lambda kv, prefix: E.greedy_answer(v, kv, prefix, p, E.PASSKEY_ANSWER_TOKENS)  # noqa: E731
     rows = {"fp16": greedy(E._as_plans(v, {"f": "fp16"})["f"])}
 
     def screen(plans: dict) -> None:
@@ -447,56 +503,85 @@ def main() -> int:
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
+
     if a.experiment == "sensitivity":
-        for name, p in {"int8": "int8", "plan": plan,
-                        "plan, keys only": keep_only(plan, lambda layer, kv: kv == "k"),
-                        "plan, values only": keep_only(plan, lambda layer, kv: kv == "v"),
-                        "plan, layers 0-9 only": keep_only(plan, lambda layer, kv: layer < 10),
-                        "plan, layers 10-19 only": keep_only(plan, lambda layer, kv: 10 <= layer < 20),
-                        "plan, layers 20-29 only": keep_only(plan, lambda layer, kv: layer >= 20)}.items():
+        for name, p in {
+            "int8": "int8",
+            "plan": plan,
+            "plan, keys only": keep_only(plan, lambda layer, kv: kv == "k"),
+            "plan, values only": keep_only(plan, lambda layer, kv: kv == "v"),
+            "plan, layers 0-9 only": keep_only(plan, lambda layer, kv: layer < 10),
+            "plan, layers 10-19 only": keep_only(plan, lambda layer, kv: 10 <= layer < 20),
+            "plan, layers 20-29 only": keep_only(plan, lambda layer, kv: layer >= 20),
+        }.items():
             rows[name] = greedy(E._as_plans(v, {name: p})[name])
     elif a.experiment == "candidates":  # the plans within the 3.5x budget that keep the top 3's keys in INT8
         top = [(21, 2), (18, 2), (23, 0)]  # "heads" order on SmolLM2-135M-Instruct
-        for name, p in {"4 FP8 units, window 12": replace(with_units(plan, top), recent_window=12),
-                        "3 FP8 units, window 14": replace(with_units(plan, top, keep_fp8=3), recent_window=14),
-                        "2 FP8 units, window 16": with_units(plan, top, keep_fp8=2)}.items():
+        for name, p in {
+            "4 FP8 units, window 12": replace(with_units(plan, top), recent_window=12),
+            "3 FP8 units, window 14": replace(with_units(plan, top, keep_fp8=3), recent_window=14),
+            "2 FP8 units, window 16": with_units(plan, top, keep_fp8=2),
+        }.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
             rows[name] = greedy(p)
     elif a.experiment == "window":
         every = lambda layer: True  # noqa: E731
-        parts = {"plan, window for keys only": split_window(every, lambda layer: False),
-                 "plan, window for values only": split_window(lambda layer: False, every),
-                 "plan, keys' window 4 positions": split_window(every, every, key_window=4),
-                 "plan, keys' window 8 positions": split_window(every, every, key_window=8)}
-        bands = {f"plan, keys' window in layers {lo}-{hi - 1} only": split_window(lambda layer, lo=lo, hi=hi: lo <= layer < hi, every)
-                 for lo, hi in ((0, 10), (10, 20), (20, 30), (0, 15), (15, 30))}
+        parts = {
+            "plan, window for keys only": split_window(every, lambda layer: False),
+            "plan, window for values only": split_window(lambda layer: False, every),
+            "plan, keys' window 4 positions": split_window(every, every, key_window=4),
+            "plan, keys' window 8 positions": split_window(every, every, key_window=8),
+        }
+        bands = {
+            f"plan, keys' window in layers {lo}-{hi - 1} only": split_window(
+                lambda layer, lo=lo, hi=hi: lo <= layer < hi, every
+            )
+            for lo, hi in ((0, 10), (10, 20), (20, 30), (0, 15), (15, 30))
+        }
         show(v, d / "tokenizer", {"plan": plan} | {n: plan for n in parts | bands}, parts | bands)
         rows["plan"] = greedy(plan)
         for name, att in parts.items():
             rows[name] = patched(att, greedy(plan))
     elif a.experiment == "budget":  # recalibrated as the build does, other trades within 3.5x
-        from bpcompile.build.calibrate import (RETRIEVAL_PROBE_LENGTH, RETRIEVAL_PROBES, recipe_samples)
-        from bpcompile.build.corpus import retrieval_probes
+        from bpcompile.compiler.calibrate import RETRIEVAL_PROBE_LENGTH, RETRIEVAL_PROBES, recipe_samples
+        from bpcompile.compiler.corpus import retrieval_probes
 
         samples = recipe_samples(d / "tokenizer", {"samples": 16, "length": 128})
-        sc = retrieval_scores(v, retrieval_probes(d / "tokenizer", samples, RETRIEVAL_PROBES,
-                                                  min(RETRIEVAL_PROBE_LENGTH, v.cfg.max_position_embeddings)))
+        sc = retrieval_scores(
+            v,
+            retrieval_probes(
+                d / "tokenizer", samples, RETRIEVAL_PROBES, min(RETRIEVAL_PROBE_LENGTH, v.cfg.max_position_embeddings)
+            ),
+        )
         m = measure_units(v, samples, KVCalibConfig(outlier_fraction=0.01, group_size=64))
         plans, U = {}, 2 * v.cfg.num_layers * v.cfg.num_kv_heads
-        for window, fp8, int8 in ((16, 0.01, 3), (32, 0, 0), (24, 0.01, 0), (24, 0, 3), (16, 0, 5), (14, 0, 6), (12, 0, 7)):
+        for window, fp8, int8 in (
+            (16, 0.01, 3),
+            (32, 0, 0),
+            (24, 0.01, 0),
+            (24, 0, 3),
+            (16, 0, 5),
+            (14, 0, 6),
+            (12, 0, 7),
+        ):
             name = f"window {window}, {round(fp8 * U)} FP8, {int8} INT8 units"
-            plans[name] = plan_from_measurement(m, v.cfg, fp8, recent_window=window, retrieval=sc,
-                                                retrieval_fraction=int8 / U)[0]
+            plans[name] = plan_from_measurement(
+                m, v.cfg, fp8, recent_window=window, retrieval=sc, retrieval_fraction=int8 / U
+            )[0]
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
     elif a.experiment == "lowbits":  # near-INT8 keys where retrieval moves, paid for by values below 4 bits
         register_lowbit_values()
         middle, K = range(10, 20), "plan, keys of layers 10-19 in INT8"
-        plans = {K: lowbit_values(plan, v.cfg, middle, "int4"),
-                 f"{K}, values in INT3": lowbit_values(plan, v.cfg, middle, "int3-rms", base="int3-rms"),
-                 f"{K}, values in INT3, the least sensitive in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2", base="int3-rms"),
-                 f"{K}, values in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2")}
+        plans = {
+            K: lowbit_values(plan, v.cfg, middle, "int4"),
+            f"{K}, values in INT3": lowbit_values(plan, v.cfg, middle, "int3-rms", base="int3-rms"),
+            f"{K}, values in INT3, the least sensitive in INT2 to 3.5x": lowbit_values(
+                plan, v.cfg, middle, "int2", base="int3-rms"
+            ),
+            f"{K}, values in INT2 to 3.5x": lowbit_values(plan, v.cfg, middle, "int2"),
+        }
         controls = deepcopy(plan)  # the last row's values, the default plan's keys
         for layer, lay in enumerate(plans[f"{K}, values in INT2 to 3.5x"].precision):
             controls.precision[layer]["v"] = list(lay["v"])
@@ -513,26 +598,38 @@ def main() -> int:
         plans = {}
         for lo, hi in ((11, 19), (12, 18), (13, 17)):
             p = plans[f"plan, keys of layers {lo}-{hi - 1} in INT8, values in INT3 to 3.5x"] = lowbit_values(
-                plan, v.cfg, range(lo, hi), "int3-rms")
-            print(f"layers {lo}-{hi - 1}: value units in INT3", sum(x == "int3-rms" for layer in p.precision for x in layer["v"]), flush=True)
+                plan, v.cfg, range(lo, hi), "int3-rms"
+            )
+            print(
+                f"layers {lo}-{hi - 1}: value units in INT3",
+                sum(x == "int3-rms" for layer in p.precision for x in layer["v"]),
+                flush=True,
+            )
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
-    elif a.experiment == "lowbits-window":  # within 3.5x: the keys of layers 10-19 in INT8, values in INT3, a shorter window
+    elif (
+        a.experiment == "lowbits-window"
+    ):  # within 3.5x: the keys of layers 10-19 in INT8, values in INT3, a shorter window
         register_lowbit_values()
         K = "plan, keys of layers 10-19 in INT8, values in INT3"
         plans = {f"{K} (absmax scale)": lowbit_values(plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax")}
         for window, fp8 in ((0, True), (2, False), (4, False)):
             plans[f"{K} (absmax scale), window {window}{'' if fp8 else ', no FP8 units'}"] = lowbit_values(
-                plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax", window=window, keep_fp8=fp8)
+                plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax", window=window, keep_fp8=fp8
+            )
         show(v, d / "tokenizer", plans, {})
         for name in list(plans)[1:]:
             rows[name] = greedy(plans[name])
     elif a.experiment == "lowbits-drop":  # within 3.5x: values in INT3, the keys of layers 10-19 in INT8 but the
         # fewest of them back in INT4 that it takes, the least retrieving or the least sensitive first
         register_lowbit_values()
-        units = {(lay["layer"], u["head"]): u for lay in plan.calibration["layers"] for u in lay["units"]
-                 if u["kind"] == "k" and 10 <= lay["layer"] < 20}
+        units = {
+            (lay["layer"], u["head"]): u
+            for lay in plan.calibration["layers"]
+            for u in lay["units"]
+            if u["kind"] == "k" and 10 <= lay["layer"] < 20
+        }
         plans = {}
         for by in ("retrieval_score", "fisher_error"):
             p = lowbit_values(plan, v.cfg, range(10, 20), "int3-absmax", base="int3-absmax")
@@ -544,7 +641,9 @@ def main() -> int:
                     p.precision[key[0]]["k"][key[1]] = "int4"
                     dropped.append(f"L{key[0]}.k{key[1]}")
             print(f"by {by}: keys back in INT4", dropped, flush=True)
-            plans[f"plan, keys of layers 10-19 in INT8 but the lowest {by} back in INT4, values in INT3 (absmax scale)"] = p
+            plans[
+                f"plan, keys of layers 10-19 in INT8 but the lowest {by} back in INT4, values in INT3 (absmax scale)"
+            ] = p
         show(v, d / "tokenizer", plans, {})
         for name, p in plans.items():
             rows[name] = greedy(p)
@@ -552,8 +651,12 @@ def main() -> int:
         register_lowbit_values()
         band = [(layer, h) for layer in range(10, 20) for h in range(plan.num_kv_heads)]
         plans = {f"plan, keys of layers 10-19 in {b.upper()}": with_units(plan, band, b) for b in ("int6", "int5")}
-        score = {(lay["layer"], u["head"]): u["retrieval_score"] for lay in plan.calibration["layers"]
-                 for u in lay["units"] if u["kind"] == "k"}
+        score = {
+            (lay["layer"], u["head"]): u["retrieval_score"]
+            for lay in plan.calibration["layers"]
+            for u in lay["units"]
+            if u["kind"] == "k"
+        }
         p, dropped = with_units(plan, band, "int5"), []
         for key in sorted((k for k in band if plan.precision[k[0]]["k"][k[1]] == "int4"), key=score.get):
             if E.allocated_compression(p, v.cfg) >= 3.5:
@@ -570,9 +673,12 @@ def main() -> int:
     elif a.experiment == "midbits-budget":  # INT5 keys in layers 10-19 within 3.5x: what else stays, which window
         register_lowbit_values()
         plans = {}
-        for extra, fp8, what in (((), True, "FP8 values kept"), ((), False, "no FP8 values"),
-                                 (((21, 2), (23, 0)), True, "retrieval keys L21.k2 L23.k0 in INT5, FP8 values kept"),
-                                 (((21, 2), (23, 0)), False, "retrieval keys L21.k2 L23.k0 in INT5, no FP8 values")):
+        for extra, fp8, what in (
+            ((), True, "FP8 values kept"),
+            ((), False, "no FP8 values"),
+            (((21, 2), (23, 0)), True, "retrieval keys L21.k2 L23.k0 in INT5, FP8 values kept"),
+            (((21, 2), (23, 0)), False, "retrieval keys L21.k2 L23.k0 in INT5, no FP8 values"),
+        ):
             p = int5_band(plan, v.cfg, extra, fp8)
             plans[f"keys of layers 10-19 in INT5, {what}, window {p.recent_window}"] = p
         for name, p in plans.items():
@@ -582,20 +688,25 @@ def main() -> int:
             rows[name] = greedy(p)
     elif a.experiment == "int5-2k":  # which keys move the INT5 default's 2k shortfall
         top3 = [(21, 2), (18, 2), (23, 0)]  # the calibration's retrieval order on SmolLM2-135M-Instruct
-        plans = {"plan": plan,
-                 "top 3 retrieval keys INT8": finer_keys(plan, v.cfg, [(x, h, "int8") for x, h in top3]),
-                 "L21.k2 L23.k0 INT8": finer_keys(plan, v.cfg, [(21, 2, "int8"), (23, 0, "int8")]),
-                 "L18.k2 INT8": finer_keys(plan, v.cfg, [(18, 2, "int8")]),
-                 "L18.k2 L21.k2 INT8": finer_keys(plan, v.cfg, [(18, 2, "int8"), (21, 2, "int8")]),
-                 "L18.k2 INT8, L21.k2 L23.k0 INT5": finer_keys(plan, v.cfg, [(18, 2, "int8"), (21, 2, "int5"),
-                                                                              (23, 0, "int5")])}
-        for name, (layers, kv, prec) in {"keys of layers 0-9 INT8": (range(0, 10), "k", "int8"),
-                                         "keys of layers 10-19 INT8": (range(10, 20), "k", "int8"),
-                                         "keys of layers 20-29 INT8": (range(20, 30), "k", "int8"),
-                                         "values INT8": (range(30), "v", "int8"),
-                                         "keys of layers 0-9 INT5": (range(0, 10), "k", "int5"),
-                                         "keys of layers 0-4 INT8": (range(0, 5), "k", "int8"),
-                                         "keys of layers 5-9 INT8": (range(5, 10), "k", "int8")}.items():
+        plans = {
+            "plan": plan,
+            "top 3 retrieval keys INT8": finer_keys(plan, v.cfg, [(x, h, "int8") for x, h in top3]),
+            "L21.k2 L23.k0 INT8": finer_keys(plan, v.cfg, [(21, 2, "int8"), (23, 0, "int8")]),
+            "L18.k2 INT8": finer_keys(plan, v.cfg, [(18, 2, "int8")]),
+            "L18.k2 L21.k2 INT8": finer_keys(plan, v.cfg, [(18, 2, "int8"), (21, 2, "int8")]),
+            "L18.k2 INT8, L21.k2 L23.k0 INT5": finer_keys(
+                plan, v.cfg, [(18, 2, "int8"), (21, 2, "int5"), (23, 0, "int5")]
+            ),
+        }
+        for name, (layers, kv, prec) in {
+            "keys of layers 0-9 INT8": (range(0, 10), "k", "int8"),
+            "keys of layers 10-19 INT8": (range(10, 20), "k", "int8"),
+            "keys of layers 20-29 INT8": (range(20, 30), "k", "int8"),
+            "values INT8": (range(30), "v", "int8"),
+            "keys of layers 0-9 INT5": (range(0, 10), "k", "int5"),
+            "keys of layers 0-4 INT8": (range(0, 5), "k", "int8"),
+            "keys of layers 5-9 INT8": (range(5, 10), "k", "int8"),
+        }.items():
             p = deepcopy(plan)
             for layer in layers:
                 p.precision[layer][kv] = [prec] * p.num_kv_heads
@@ -603,18 +714,25 @@ def main() -> int:
         screen(plans)
     elif a.experiment == "two-bands":  # both bands of finer keys (2k: layers 0-9, 4k: 10-19), paid for by INT3 values
         plans = {"plan": plan}
-        for name, bands in {"keys of layers 0-19 INT6, values INT3": ((range(0, 20), "int6"),),
-                            "keys of layers 0-9 INT6, values INT3": ((range(0, 10), "int6"),),
-                            "keys of layers 0-9 INT5, values INT3": ((range(0, 10), "int5"),)}.items():
-            p = finer_keys(plan, v.cfg, [(x, h, prec) for layers, prec in bands for x in layers
-                                         for h in range(plan.num_kv_heads)])
+        for name, bands in {
+            "keys of layers 0-19 INT6, values INT3": ((range(0, 20), "int6"),),
+            "keys of layers 0-9 INT6, values INT3": ((range(0, 10), "int6"),),
+            "keys of layers 0-9 INT5, values INT3": ((range(0, 10), "int5"),),
+        }.items():
+            p = finer_keys(
+                plan, v.cfg, [(x, h, prec) for layers, prec in bands for x in layers for h in range(plan.num_kv_heads)]
+            )
             for layer in p.precision:
                 layer["v"] = ["int3" if x == "int4" else x for x in layer["v"]]
             plans[name] = longest_window(p, v.cfg)
         p = finer_keys(plan, v.cfg, [(x, h, "int6") for x in range(10) for h in range(plan.num_kv_heads)])
         p.recent_window = 16  # then the least sensitive values (fisher_error at INT4) in INT3 until 3.5x
-        values = sorted((u["fisher_error"], lay["layer"], u["head"]) for lay in plan.calibration["layers"]
-                        for u in lay["units"] if u["kind"] == "v" and u["precision"] == "int4")
+        values = sorted(
+            (u["fisher_error"], lay["layer"], u["head"])
+            for lay in plan.calibration["layers"]
+            for u in lay["units"]
+            if u["kind"] == "v" and u["precision"] == "int4"
+        )
         for _, layer, head in values:
             if E.allocated_compression(p, v.cfg) >= 3.5:
                 break
@@ -629,11 +747,13 @@ def main() -> int:
         plans = {str(d): plan} | {x: KVPlan.load(Path(x) / "kv_plan") for x in a.compare.split(",") if x}
         screen(plans)
     elif a.experiment == "values-bands":  # does 4k over-retrieve because of the INT3 values, and which layers'?
+
         def values(p, int3_layers):
             p = deepcopy(p)
             for layer, lay in enumerate(p.precision):
                 lay["v"] = ["int3" if layer in int3_layers else "int4" for _ in lay["v"]]
             return p
+
         outside = set(range(10)) | set(range(20, 30))
         plans = {"values of layers 10-19 INT4, the others INT3": longest_window(values(plan, outside), v.cfg)}
         p = deepcopy(plan)  # diagnostic: the INT5-keys default's keys (layers 0-9 INT4) under this plan's values
@@ -642,27 +762,40 @@ def main() -> int:
         plans["diagnostic: keys of layers 0-9 INT4, values as the plan"] = p
         screen(plans)
     elif a.experiment == "late-keys":  # INT6 keys in the first third paid for by the last third's keys in INT3
+
         def bands(p, precisions):
             p = deepcopy(p)
             for (lo, hi), kv, prec in precisions:
                 for layer in range(lo, hi):
                     p.precision[layer][kv] = [prec] * p.num_kv_heads
             return longest_window(p, v.cfg)
-        plans = {"keys of layers 0-9 INT6 and 20-29 INT3, values of layers 0-9 INT3":
-                 bands(plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((0, 10), "v", "int3")]),
-                 "keys of layers 0-9 INT6 and 20-29 INT3, values of layers 20-29 INT3":
-                 bands(plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((20, 30), "v", "int3")])}
+
+        plans = {
+            "keys of layers 0-9 INT6 and 20-29 INT3, values of layers 0-9 INT3": bands(
+                plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((0, 10), "v", "int3")]
+            ),
+            "keys of layers 0-9 INT6 and 20-29 INT3, values of layers 20-29 INT3": bands(
+                plan, [((0, 10), "k", "int6"), ((20, 30), "k", "int3"), ((20, 30), "v", "int3")]
+            ),
+        }
         screen(plans)
     elif a.experiment == "heads":
         t0 = time.perf_counter()
         sc = retrieval_scores(v, passkey_probes(tok, 2048, 16, 7))
         order = [(int(i) // sc.shape[1], int(i) % sc.shape[1]) for i in torch.argsort(sc.flatten(), descending=True)]
         print(f"retrieval scores ({time.perf_counter() - t0:.0f}s):", [(u, round(float(sc[u]), 3)) for u in order[:12]])
-        variants = {"plan": plan, "plan, keys of layers 10-19 in INT8": with_units(plan, [(x, h) for x in range(10, 20) for h in range(3)])}
+        variants = {
+            "plan": plan,
+            "plan, keys of layers 10-19 in INT8": with_units(plan, [(x, h) for x in range(10, 20) for h in range(3)]),
+        }
         for k in (3, 6, 10):
             variants[f"plan, keys of the top {k} retrieval units in INT8"] = with_units(plan, order[:k])
-            variants[f"plan without FP8, keys of the top {k} retrieval units in INT8"] = with_units(plan, order[:k], keep_fp8=0)
-        variants["plan with 2 FP8 units, keys of the top 3 retrieval units in INT8"] = with_units(plan, order[:3], keep_fp8=2)
+            variants[f"plan without FP8, keys of the top {k} retrieval units in INT8"] = with_units(
+                plan, order[:k], keep_fp8=0
+            )
+        variants["plan with 2 FP8 units, keys of the top 3 retrieval units in INT8"] = with_units(
+            plan, order[:3], keep_fp8=2
+        )
         for name, p in variants.items():
             print(f"{name}: {E.allocated_compression(p, v.cfg):.3f}x", flush=True)
             rows[name] = greedy(p)
@@ -670,7 +803,9 @@ def main() -> int:
         variants = [("8x1024, no clipping", 8, 1024, {"clip_ratios": (1.0,)})]
         if a.experiment == "calibration":
             rows["plan"] = greedy(plan)
-            variants = [("8x1024", 8, 1024, {})] + variants + [("16x128, no clipping", 16, 128, {"clip_ratios": (1.0,)})]
+            variants = (
+                [("8x1024", 8, 1024, {})] + variants + [("16x128, no clipping", 16, 128, {"clip_ratios": (1.0,)})]
+            )
         for name, n, length, extra in variants:
             m = measure_units(v, calibration_samples(tok, n, length), KVCalibConfig(group_size=64, **extra))
             p, rep = plan_from_measurement(m, v.cfg, 0.02, recent_window=16)
@@ -683,7 +818,9 @@ def main() -> int:
         if a.experiment == "noise":
             rows["plan"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "plain")
             rows["plan, logits corrected"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "corr")
-            rows["fp16 keys + plan's key error, random signs"] = lambda kv, prefix: noise_answer(v, kv, prefix, plan, "signflip")
+            rows["fp16 keys + plan's key error, random signs"] = lambda kv, prefix: noise_answer(
+                v, kv, prefix, plan, "signflip"
+            )
     if a.rows:
         rows = {n: f for n, f in rows.items() if n == "fp16" or n in a.rows.split(";")}
     if a.trials == 0:
@@ -704,8 +841,11 @@ def main() -> int:
             if a.out:
                 Path(a.out).write_text(json.dumps(outcomes))
         for name, h in hits.items():
-            print(f"{length} tokens, {name}: {sum(h)}/{len(h)}",
-                  E.paired_difference(h, hits["fp16"], a.seed) if name != "fp16" else "", flush=True)
+            print(
+                f"{length} tokens, {name}: {sum(h)}/{len(h)}",
+                E.paired_difference(h, hits["fp16"], a.seed) if name != "fp16" else "",
+                flush=True,
+            )
     return 0
 
 

@@ -9,6 +9,7 @@ Prints per length the accuracy, the seconds taken and one digit per trial (1: re
 If eval's FP16-KV row matches this, the FP16 cache is the model's own behaviour and a plan's gap to it is the
 plan's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,12 @@ def main() -> int:
             ids, ks = t["ids"], t["key_start"]
             with torch.inference_mode():
                 logits = model(torch.tensor([ids[:-1]])).logits[0]
-            hits.append(logits[ks - 1:].argmax(-1).tolist() == ids[ks:])
+            hits.append(logits[ks - 1 :].argmax(-1).tolist() == ids[ks:])
         out["accuracy"][str(L)] = sum(hits) / len(hits)
         out["hits"][str(L)] = "".join("1" if h else "0" for h in hits)
-        print(f"{L}: {out['accuracy'][str(L)]:.0%} ({time.perf_counter() - t0:.0f} s) {out['hits'][str(L)]}", flush=True)
+        print(
+            f"{L}: {out['accuracy'][str(L)]:.0%} ({time.perf_counter() - t0:.0f} s) {out['hits'][str(L)]}", flush=True
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -25,6 +25,7 @@ Held-out figures (<out>/metrics.json), on the verifier's greedy answers to 48 pr
 top-1 agreement of the first drafted token (the true features in), and the conditional agreement at depth 2 and 3
 where the draft reads its own predicted features (a chain's acceptance).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bpcompile.build import corpus  # noqa: E402
+from bpcompile.compiler import corpus  # noqa: E402
 from bpcompile.runtime.model import apply_rope, causal_attend, rms_norm  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("distill", ROOT / "scripts" / "distill_smollm2_draft.py")
@@ -92,8 +93,8 @@ class Trainable(torch.nn.Module):
         cos, sin = self.cos[:T][None, :, None], self.sin[:T][None, :, None]
         for b in self.blocks:
             qkv = b.qkv(rms_norm(h, b.attn_norm, self.eps))
-            qk = apply_rope(qkv[..., :(NH + KV) * D].view(B, T, NH + KV, D), cos, sin)
-            v = qkv[..., (NH + KV) * D:].view(B, T, KV, D)
+            qk = apply_rope(qkv[..., : (NH + KV) * D].view(B, T, NH + KV, D), cos, sin)
+            v = qkv[..., (NH + KV) * D :].view(B, T, KV, D)
             h = h + b.o(causal_attend(qk[:, :, :NH], qk[:, :, NH:], v).reshape(B, T, NH * D))
             gate, up = b.gate_up(rms_norm(h, b.mlp_norm, self.eps)).chunk(2, -1)
             h = h + b.down(F.silu(gate) * up)
@@ -103,31 +104,48 @@ class Trainable(torch.nn.Module):
         w = {"fc.weight": self.fc.weight, "fc.bias": self.fc.bias}
         for i, b in enumerate(self.blocks):
             p = f"transformer.layers.{i}."
-            w.update({p + "input_layernorm.weight": b.attn_norm, p + "post_layernorm.weight": b.mlp_norm,
-                      p + "attention.qkv.weight": b.qkv.weight, p + "attention.dense.weight": b.o.weight,
-                      p + "mlp.fc.weight": b.gate_up.weight[:self.inter], p + "mlp.gate.weight": b.gate_up.weight[self.inter:],
-                      p + "mlp.proj.weight": b.down.weight})
+            w.update(
+                {
+                    p + "input_layernorm.weight": b.attn_norm,
+                    p + "post_layernorm.weight": b.mlp_norm,
+                    p + "attention.qkv.weight": b.qkv.weight,
+                    p + "attention.dense.weight": b.o.weight,
+                    p + "mlp.fc.weight": b.gate_up.weight[: self.inter],
+                    p + "mlp.gate.weight": b.gate_up.weight[self.inter :],
+                    p + "mlp.proj.weight": b.down.weight,
+                }
+            )
         return {k: v.detach().float().contiguous() for k, v in w.items()}
 
 
 @torch.no_grad()
-def sampled_answers(verifier, tok, prompts: list[str], max_new: int, batch: int, temperature: float,
-                    seed: int) -> list[tuple[list[int], list[int]]]:
+def sampled_answers(
+    verifier, tok, prompts: list[str], max_new: int, batch: int, temperature: float, seed: int
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) of the verifier's answers sampled at `temperature` (ends at its end-of-turn)."""
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     torch.manual_seed(seed)
     out = []
     for i in range(0, len(prompts), batch):
-        ps = [distill.chat_ids(tok, p) for p in prompts[i:i + batch]]
+        ps = [distill.chat_ids(tok, p) for p in prompts[i : i + batch]]
         L = max(map(len, ps))
         ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps])
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps])
-        g = verifier.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True,
-                              temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad)
+        g = verifier.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         for b, p in enumerate(ps):
             ans = g[b, L:].tolist()
-            out.append((p, ans[:ans.index(eos) + 1] if eos in ans else ans))
+            out.append((p, ans[: ans.index(eos) + 1] if eos in ans else ans))
         log(f"  sampled answers {min(i + batch, len(prompts))}/{len(prompts)}")
     return out
 
@@ -158,14 +176,14 @@ def evaluate(m: Trainable, head: torch.Tensor, ids: torch.Tensor, held: list) ->
     for (ids, f16), P in held:
         f, x, T = f16.float()[None], ids[None], len(ids)
         fin = shifted(f)
-        guess = ids[(m(fin, x)[0] @ head[ids].T).argmax(-1)]   # row i -> x_{i+1}, among the proposable ids
+        guess = ids[(m(fin, x)[0] @ head[ids].T).argmax(-1)]  # row i -> x_{i+1}, among the proposable ids
         truth = (f[0] @ head.T).argmax(-1)
-        hit[0] += int((guess[P - 1:T - 1] == truth[P - 1:T - 1]).sum())
+        hit[0] += int((guess[P - 1 : T - 1] == truth[P - 1 : T - 1]).sum())
         n[0] += T - P
         for t in range(P - 1, T - 3, 3):
             if guess[t] != truth[t]:
                 continue
-            fs, xs, tok = fin[:, :t + 1], x[:, :t + 1], guess[t]
+            fs, xs, tok = fin[:, : t + 1], x[:, : t + 1], guess[t]
             fprev = m(fs, xs)[:, -1:]
             for depth in (1, 2):
                 fs, xs = torch.cat((fs, fprev), 1), torch.cat((xs, tok.view(1, 1)), 1)
@@ -186,15 +204,28 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--ce", type=float, default=0.25, help="weight of the cross-entropy term")
-    ap.add_argument("--vocab", type=int, default=4096,
-                    help="token ids the draft may propose (0: all): the training text's tokens by count, then the "
-                         "lowest unseen ids")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        help="token ids the draft may propose (0: all): the training text's tokens by count, then the "
+        "lowest unseen ids",
+    )
     ap.add_argument("--epochs", type=int, default=HP["epochs"])
-    ap.add_argument("--train-prompts", type=int, default=SIZES["train_prompts"],
-                    help="instruction prompts from the train split (it yields about 510)")
-    ap.add_argument("--sampled", type=int, default=SAMPLED, metavar="K",
-                    help="also K sampled answers per train prompt (temperature --temperature): more varied text "
-                         "whose every position still carries the verifier's own features and distribution")
+    ap.add_argument(
+        "--train-prompts",
+        type=int,
+        default=SIZES["train_prompts"],
+        help="instruction prompts from the train split (it yields about 510)",
+    )
+    ap.add_argument(
+        "--sampled",
+        type=int,
+        default=SAMPLED,
+        metavar="K",
+        help="also K sampled answers per train prompt (temperature --temperature): more varied text "
+        "whose every position still carries the verifier's own features and distribution",
+    )
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=4, metavar="N", help="held-out figures every N epochs")
@@ -216,27 +247,42 @@ def main() -> None:
     key = {"verifier": stamp, "corpus": corpus.fingerprint(), "answer_tokens": sizes["answer_tokens"]}
     train_p = distill.instruction_prompts(corpus.train_documents(), sizes["train_prompts"], a.seed)
     held_p = distill.instruction_prompts(corpus.heldout_documents(), sizes["heldout_prompts"], a.seed + 1)
-    ans = cached("fd-train-answers", dict(key, n=len(train_p), seed=a.seed),
-                 lambda: [(p, x) for p, x, _, _ in distill.teacher_answers(verifier, tok, train_p,
-                                                                          sizes["answer_tokens"], 32)])
-    held = cached("fd-held-answers", dict(key, n=len(held_p), seed=a.seed + 1),
-                  lambda: [(p, x) for p, x, _, _ in distill.teacher_answers(verifier, tok, held_p,
-                                                                           sizes["answer_tokens"], 32)])
+    ans = cached(
+        "fd-train-answers",
+        dict(key, n=len(train_p), seed=a.seed),
+        lambda: [(p, x) for p, x, _, _ in distill.teacher_answers(verifier, tok, train_p, sizes["answer_tokens"], 32)],
+    )
+    held = cached(
+        "fd-held-answers",
+        dict(key, n=len(held_p), seed=a.seed + 1),
+        lambda: [(p, x) for p, x, _, _ in distill.teacher_answers(verifier, tok, held_p, sizes["answer_tokens"], 32)],
+    )
     for j in range(a.sampled if not a.quick else 0):
-        ans = ans + cached("fd-train-sampled", dict(key, n=len(train_p), seed=a.seed, draw=j, t=a.temperature),
-                           lambda: sampled_answers(verifier, tok, train_p, sizes["answer_tokens"], 32,
-                                                   a.temperature, a.seed * 100 + j))
+        ans = ans + cached(
+            "fd-train-sampled",
+            dict(key, n=len(train_p), seed=a.seed, draw=j, t=a.temperature),
+            lambda: sampled_answers(
+                verifier, tok, train_p, sizes["answer_tokens"], 32, a.temperature, a.seed * 100 + j
+            ),
+        )
     windows = distill.corpus_windows(tok, corpus.train_documents())
-    train = cached("fd-train-features", dict(key, n=len(train_p), seed=a.seed, windows=len(windows),
-                                             sampled=0 if a.quick else a.sampled, t=a.temperature),
-                   lambda: features(verifier, [p + x for p, x in ans] + windows))
-    held_f = cached("fd-held-features", dict(key, n=len(held_p), seed=a.seed + 1),
-                    lambda: list(zip(features(verifier, [p + x for p, x in held]), [len(p) for p, _ in held])))
+    train = cached(
+        "fd-train-features",
+        dict(
+            key, n=len(train_p), seed=a.seed, windows=len(windows), sampled=0 if a.quick else a.sampled, t=a.temperature
+        ),
+        lambda: features(verifier, [p + x for p, x in ans] + windows),
+    )
+    held_f = cached(
+        "fd-held-features",
+        dict(key, n=len(held_p), seed=a.seed + 1),
+        lambda: list(zip(features(verifier, [p + x for p, x in held]), [len(p) for p, _ in held])),
+    )
     head = verifier.lm_head.weight.detach()  # tied: also the embedding
     V = head.shape[0]
     counts = torch.bincount(torch.cat([s for s, _ in train]), minlength=V)
     ranked = sorted(range(V), key=lambda t: (-int(counts[t]), t))
-    ids = torch.tensor(sorted(ranked[:a.vocab]) if 0 < a.vocab < V else list(range(V)))
+    ids = torch.tensor(sorted(ranked[: a.vocab]) if 0 < a.vocab < V else list(range(V)))
     held_tokens = torch.tensor([t for _, x in held for t in x])
     coverage = float(torch.isin(held_tokens, ids).float().mean())
     log(f"vocabulary: {len(ids)} token ids proposed, covering {coverage:.2%} of the held-out answers' tokens")
@@ -251,20 +297,27 @@ def main() -> None:
         random.Random(a.seed * 1000 + ep).shuffle(order)
         tot = 0.0
         for i in range(0, len(order), hp["batch"]):
-            items = [train[j] for j in order[i:i + hp["batch"]]]
+            items = [train[j] for j in order[i : i + hp["batch"]]]
             L = max(len(s) for s, _ in items)
-            x, f, mask = torch.zeros(len(items), L, dtype=torch.long), torch.zeros(len(items), L, m.H), torch.zeros(len(items), L)
+            x, f, mask = (
+                torch.zeros(len(items), L, dtype=torch.long),
+                torch.zeros(len(items), L, m.H),
+                torch.zeros(len(items), L),
+            )
             for b, (s, ff) in enumerate(items):
-                x[b, :len(s)], f[b, :len(s)], mask[b, :len(s)] = s, ff.float(), 1
-            lr = hp["lr"] * min(1.0, (k + 1) / hp["warmup"]) * (
-                hp["min_lr_frac"] + (1 - hp["min_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * k / steps)))
+                x[b, : len(s)], f[b, : len(s)], mask[b, : len(s)] = s, ff.float(), 1
+            lr = (
+                hp["lr"]
+                * min(1.0, (k + 1) / hp["warmup"])
+                * (hp["min_lr_frac"] + (1 - hp["min_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * k / steps)))
+            )
             for g in opt.param_groups:
                 g["lr"] = lr
             fin = shifted(f)
             pred = m(fin + (torch.rand_like(fin) - 0.5) * hp["noise"], x)
             reg = (F.smooth_l1_loss(pred, f, reduction="none").mean(-1) * mask).sum() / mask.sum()
             rows = mask.view(-1).nonzero()[:, 0]  # the head's cross-entropy on a random subset of rows: the
-            rows = rows[torch.randperm(len(rows), generator=gen)[:hp["ce_rows"]]]  # 49152-wide head dominates cost
+            rows = rows[torch.randperm(len(rows), generator=gen)[: hp["ce_rows"]]]  # 49152-wide head dominates cost
             with torch.no_grad():  # the verifier's distribution over the proposable ids (renormalised)
                 target = F.softmax(f.view(-1, m.H)[rows] @ sub.T, -1)
             ce = -(target * F.log_softmax(pred.view(-1, m.H)[rows] @ sub.T, -1)).sum(-1).mean()
@@ -276,8 +329,10 @@ def main() -> None:
             k += 1
             tot += float(loss.detach())
             if k % 25 == 0:
-                log(f"epoch {ep + 1} step {k}/{steps}: smooth-L1 {reg.item():.4f}, CE {ce.item():.3f}, "
-                    f"{time.time() - t0:.0f}s")
+                log(
+                    f"epoch {ep + 1} step {k}/{steps}: smooth-L1 {reg.item():.4f}, CE {ce.item():.3f}, "
+                    f"{time.time() - t0:.0f}s"
+                )
         losses.append(round(tot / math.ceil(len(order) / hp["batch"]), 4))
         if (ep + 1) % a.eval_every == 0 and ep + 1 < hp["epochs"]:
             log(f"epoch {ep + 1}: held-out {evaluate(m, head, ids, held_f)}")
@@ -290,18 +345,36 @@ def main() -> None:
     if len(ids) < V:
         w["vocab_subset"] = ids.to(torch.int64)
     save_file(w, str(a.out / "model.safetensors"))
-    (a.out / "config.json").write_text(json.dumps({"architecture": "FeatureDraft", "num_layers": a.layers,
-                                                   "intermediate_size": a.intermediate}, indent=1) + "\n")
+    (a.out / "config.json").write_text(
+        json.dumps(
+            {"architecture": "FeatureDraft", "num_layers": a.layers, "intermediate_size": a.intermediate}, indent=1
+        )
+        + "\n"
+    )
     params = sum(p.numel() for p in m.parameters())
-    metrics = {"verifier": str(a.verifier.relative_to(ROOT)) if a.verifier.is_relative_to(ROOT) else str(a.verifier),
-               "verifier_gguf_sha256": stamp, "corpus_fingerprint": corpus.fingerprint(), "seed": a.seed,
-               "layers": a.layers, "intermediate_size": a.intermediate, "params": params,
-               "vocab_subset": len(ids), "heldout_answers": dict(ev, prompts=len(held_f), vocab_coverage=round(coverage, 4)),
-               "training": {"sequences": len(train), "positions": sum(len(s) for s, _ in train),
-                            "loss_per_epoch": losses, "train_seconds": round(train_s), "hp": hp, "ce": a.ce,
-                            "sizes": sizes, "sampled_answers_per_prompt": a.sampled,
-                            "temperature": a.temperature},
-               "torch": torch.__version__}
+    metrics = {
+        "verifier": str(a.verifier.relative_to(ROOT)) if a.verifier.is_relative_to(ROOT) else str(a.verifier),
+        "verifier_gguf_sha256": stamp,
+        "corpus_fingerprint": corpus.fingerprint(),
+        "seed": a.seed,
+        "layers": a.layers,
+        "intermediate_size": a.intermediate,
+        "params": params,
+        "vocab_subset": len(ids),
+        "heldout_answers": dict(ev, prompts=len(held_f), vocab_coverage=round(coverage, 4)),
+        "training": {
+            "sequences": len(train),
+            "positions": sum(len(s) for s, _ in train),
+            "loss_per_epoch": losses,
+            "train_seconds": round(train_s),
+            "hp": hp,
+            "ce": a.ce,
+            "sizes": sizes,
+            "sampled_answers_per_prompt": a.sampled,
+            "temperature": a.temperature,
+        },
+        "torch": torch.__version__,
+    }
     (a.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     log(f"wrote {a.out}: {params / 1e6:.1f}M parameters, held-out agreement by depth {ev['agreement']}")
 

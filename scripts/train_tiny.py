@@ -4,7 +4,7 @@
     .venv/bin/python scripts/train_tiny.py --eval-only  # recompute models/tiny/metrics.json from the committed models
     .venv/bin/python scripts/train_tiny.py --quick      # smoke run into a temp dir (~1 min)
 
-Steps: byte-level BPE tokenizer (vocab 4096) on the train split of `bpcompile.build.corpus`; four small
+Steps: byte-level BPE tokenizer (vocab 4096) on the train split of `bpcompile.compiler.corpus`; four small
 "tutor" models (2 layers, hidden 128) trained on next-token cross-entropy with different seeds; the
 verifier (4 layers, hidden 256, GQA 4q/2kv, head_dim 64) distilled from the tutors' averaged
 predictions (KL plus a little cross-entropy); then the draft (1 layer, hidden 128, 2q/1kv, tied
@@ -18,6 +18,7 @@ Deterministic: fixed seeds, a fixed thread count, torch deterministic algorithms
 re-runs need the same torch build, CPU ISA and Python version (the corpus comes from
 `pydoc_data.topics`, which differs between Python versions; metrics.json records its fingerprint).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bpcompile.build import corpus
+from bpcompile.compiler import corpus
 
 SEED = 1234
 VOCAB = 4096
@@ -50,16 +51,43 @@ UNK, BOS, EOS, PAD = range(4)
 SEQ = 256  # tokens per training sequence, BOS included
 
 COMMON = dict(
-    vocab_size=VOCAB, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
-    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, hidden_act="silu",
+    vocab_size=VOCAB,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    pad_token_id=PAD,
+    hidden_act="silu",
 )
 SHAPES = {  # head_dim 64 and GQA are fixed: the KV-cache kernels depend on them
-    "verifier": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=64, intermediate_size=704, tie_word_embeddings=False),
-    "draft": dict(num_hidden_layers=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=64, intermediate_size=384, tie_word_embeddings=True),
-    "tutor": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=64, intermediate_size=384, tie_word_embeddings=True),
+    "verifier": dict(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=704,
+        tie_word_embeddings=False,
+    ),
+    "draft": dict(
+        num_hidden_layers=1,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+    ),
+    "tutor": dict(
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+    ),
 }
 TUTORS = 4  # ensemble size: 1 -> 4 tutors took held-out perplexity from ~96-105 to ~82-85
 # Hyper-parameters chosen on the 2-core box (~82k train tokens). Tried for a verifier trained on
@@ -95,6 +123,7 @@ def seed_everything(seed: int) -> None:
 
 # ---- tokenizer -------------------------------------------------------------------------------
 
+
 def train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -103,8 +132,11 @@ def train_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, min_frequency=2, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus.train_documents(), trainer=trainer)
     # tokenizer(text) yields "<s> text", as Llama tokenizers do; the models are trained that way.
@@ -113,7 +145,11 @@ def train_tokenizer():
     )
     assert [tok.token_to_id(s) for s in SPECIALS] == [UNK, BOS, EOS, PAD]
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
         model_max_length=COMMON["max_position_embeddings"],
     )
 
@@ -136,11 +172,13 @@ def windows(stream: torch.Tensor, phase: int = 0) -> torch.Tensor:
 
 def stream_batches(stream: torch.Tensor, batch: int):
     """Verifier epochs: windows at a random phase each epoch (more distinct contexts), shuffled."""
+
     def epoch(gen):
         x = windows(stream, int(torch.randint(0, SEQ - 1, (1,), generator=gen)))
         order = torch.randperm(len(x), generator=gen)
         for i in range(0, len(x) - batch + 1, batch):
             yield x[order[i : i + batch]], None
+
     return epoch
 
 
@@ -152,8 +190,9 @@ def teacher_batches(teachers: list, stream: torch.Tensor, batch: int):
     x = windows(stream)
     p = 0.0
     for t in teachers:
-        p = p + torch.cat([F.softmax(t(input_ids=x[i : i + 16]).logits[:, :-1].float(), -1)
-                           for i in range(0, len(x), 16)]) / len(teachers)
+        p = p + torch.cat(
+            [F.softmax(t(input_ids=x[i : i + 16]).logits[:, :-1].float(), -1) for i in range(0, len(x), 16)]
+        ) / len(teachers)
     lp = p.log().half()
     del p
 
@@ -162,6 +201,7 @@ def teacher_batches(teachers: list, stream: torch.Tensor, batch: int):
         for i in range(0, len(x) - batch + 1, batch):
             idx = order[i : i + batch]
             yield x[idx], lp[idx].float()
+
     return epoch
 
 
@@ -172,6 +212,7 @@ def heldout_batches(stream: torch.Tensor, batch: int = 16):
 
 
 # ---- models ----------------------------------------------------------------------------------
+
 
 def build(kind: str, **override):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -195,7 +236,9 @@ def optimizer(model, hp: dict):
     other = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": hp["wd"]}, {"params": other, "weight_decay": 0.0}],
-        lr=hp["lr"], betas=(0.9, 0.95), eps=1e-8,
+        lr=hp["lr"],
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
 
@@ -218,8 +261,12 @@ def train(kind: str, model, epoch_fn, held, hp: dict, seed: int) -> float:
             ce = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
             loss = ce
             if t_lp is not None:
-                kl = F.kl_div(F.log_softmax(logits, -1).reshape(-1, VOCAB), t_lp.reshape(-1, VOCAB),
-                              log_target=True, reduction="batchmean")
+                kl = F.kl_div(
+                    F.log_softmax(logits, -1).reshape(-1, VOCAB),
+                    t_lp.reshape(-1, VOCAB),
+                    log_target=True,
+                    reduction="batchmean",
+                )
                 loss = hp["kl_weight"] * kl + (1 - hp["kl_weight"]) * ce
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -228,13 +275,16 @@ def train(kind: str, model, epoch_fn, held, hp: dict, seed: int) -> float:
             step += 1
         # Held-out loss is only logged (to see over/under-fitting), never used to pick a checkpoint.
         model.eval()
-        log(f"{kind} epoch {epoch + 1}/{hp['epochs']}: train ce {ce.item():.3f} loss {loss.item():.3f} "
-            f"held-out ppl {perplexity(model, held):.2f} ({time.time() - t0:.0f}s)")
+        log(
+            f"{kind} epoch {epoch + 1}/{hp['epochs']}: train ce {ce.item():.3f} loss {loss.item():.3f} "
+            f"held-out ppl {perplexity(model, held):.2f} ({time.time() - t0:.0f}s)"
+        )
     model.eval()
     return time.time() - t0
 
 
 # ---- metrics ---------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def perplexity(model, held: torch.Tensor) -> float:
@@ -272,8 +322,10 @@ def agreement(draft, verifier, held: torch.Tensor) -> float:
 def greedy_sample(model, tok, held_tok_dir) -> dict:
     prompt = corpus.heldout_prompts(held_tok_dir, 1, prompt_tokens=24, seed=0)[0]
     out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=PAD)
-    return {"prompt": tok.decode(prompt, skip_special_tokens=True),
-            "greedy_continuation": tok.decode(out[0, len(prompt):], skip_special_tokens=True)}
+    return {
+        "prompt": tok.decode(prompt, skip_special_tokens=True),
+        "greedy_continuation": tok.decode(out[0, len(prompt) :], skip_special_tokens=True),
+    }
 
 
 def file_sizes(d: Path) -> dict:
@@ -291,22 +343,35 @@ def evaluate(out: Path, extra: dict | None = None) -> dict:
     draft = AutoModelForCausalLM.from_pretrained(dr_dir, dtype=torch.float32).eval()
     held = token_stream(tok, corpus.heldout_documents())
     metrics = {
-        "heldout_perplexity": {"verifier": round(perplexity(verifier, held), 3),
-                               "draft": round(perplexity(draft, held), 3)},
+        "heldout_perplexity": {
+            "verifier": round(perplexity(verifier, held), 3),
+            "draft": round(perplexity(draft, held), 3),
+        },
         "teacher_forced_top1_agreement": round(agreement(draft, verifier, held), 4),
         "heldout_tokens": len(held),
         "eval_seq_len": SEQ,
-        "params": {"verifier": sum(p.numel() for p in verifier.parameters()),
-                   "draft": sum(p.numel() for p in draft.parameters())},
+        "params": {
+            "verifier": sum(p.numel() for p in verifier.parameters()),
+            "draft": sum(p.numel() for p in draft.parameters()),
+        },
         "bytes": {"verifier": file_sizes(ver_dir), "draft": file_sizes(dr_dir)},
         "sample": greedy_sample(verifier, tok, ver_dir),
-        "corpus": {"source": "pydoc_data.topics", "fingerprint": corpus.fingerprint(),
-                   "train_chars": len(corpus.train_text()), "heldout_chars": len(corpus.heldout_text()),
-                   "split": f"paragraph chunks, every {corpus.HOLDOUT_EVERY}th held out"},
-        "env": {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__,
-                "tokenizers": __import__("tokenizers").__version__,
-                "threads": THREADS, "machine": platform.machine(), "cpu_count": os.cpu_count()},
+        "corpus": {
+            "source": "pydoc_data.topics",
+            "fingerprint": corpus.fingerprint(),
+            "train_chars": len(corpus.train_text()),
+            "heldout_chars": len(corpus.heldout_text()),
+            "split": f"paragraph chunks, every {corpus.HOLDOUT_EVERY}th held out",
+        },
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "tokenizers": __import__("tokenizers").__version__,
+            "threads": THREADS,
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+        },
     }
     if extra:
         metrics = {**metrics, **extra}
@@ -326,7 +391,11 @@ def save_tokenizer(tok, d: Path) -> None:
 def save_model(model, d: Path) -> None:
     import inspect
 
-    kw = {"safe_serialization": True} if "safe_serialization" in inspect.signature(model.save_pretrained).parameters else {}
+    kw = (
+        {"safe_serialization": True}
+        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters
+        else {}
+    )
     model.config.dtype = torch.float32
     model.save_pretrained(d, **kw)  # transformers 5 always writes safetensors
 
@@ -364,8 +433,14 @@ def main() -> None:
     for i in range(TUTORS):
         seed_everything(SEED + 10 + i)
         tutor = build("tutor")
-        t_tutors += train(f"tutor {i + 1}/{TUTORS}", tutor, stream_batches(train_stream, hp["tutor"]["batch"]), held,
-                          hp["tutor"], seed=SEED + 10 + i)
+        t_tutors += train(
+            f"tutor {i + 1}/{TUTORS}",
+            tutor,
+            stream_batches(train_stream, hp["tutor"]["batch"]),
+            held,
+            hp["tutor"],
+            seed=SEED + 10 + i,
+        )
         tutors.append(tutor.requires_grad_(False))
         tutor_ppl.append(round(perplexity(tutor, held), 3))
     ensemble_ppl = round(ensemble_perplexity(tutors, held), 3)
@@ -389,10 +464,19 @@ def main() -> None:
     t_draft = time.time() - t0
     save_model(draft, out / "draft")
 
-    training = {"tutors": {"count": TUTORS, "heldout_perplexity": tutor_ppl, "ensemble_heldout_perplexity": ensemble_ppl},
-                "seconds": {"tutors": round(t_tutors, 1), "verifier": round(t_ver, 1), "draft": round(t_draft, 1),
-                            "total_wall": round(time.time() - t_all, 1)},
-                "train_tokens": len(train_stream), "hyperparameters": hp, "seq_len": SEQ, "quick": args.quick}
+    training = {
+        "tutors": {"count": TUTORS, "heldout_perplexity": tutor_ppl, "ensemble_heldout_perplexity": ensemble_ppl},
+        "seconds": {
+            "tutors": round(t_tutors, 1),
+            "verifier": round(t_ver, 1),
+            "draft": round(t_draft, 1),
+            "total_wall": round(time.time() - t_all, 1),
+        },
+        "train_tokens": len(train_stream),
+        "hyperparameters": hp,
+        "seq_len": SEQ,
+        "quick": args.quick,
+    }
     m = evaluate(out, {"training": training, "seed": SEED})
     (out / "metrics.json").write_text(json.dumps(m, indent=2) + "\n")
     print(json.dumps(m, indent=2))

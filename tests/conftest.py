@@ -1,4 +1,5 @@
 """Shared fixtures: small random Hugging Face checkpoints saved the way real ones are (safetensors)."""
+
 from __future__ import annotations
 
 import math
@@ -11,12 +12,29 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
 
 # Small enough for a shared 2-core CPU; GQA with 4 query heads over 2 KV heads, odd vocab.
-SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
-def make_hf_model(path: Path, arch: str = "llama", *, seed: int = 0, init_std: float = 0.1,
-                  max_shard_size: str | None = None, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+def make_hf_model(
+    path: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    init_std: float = 0.1,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> Path:
     """Save a random transformers model (llama | mistral | qwen2) with safetensors into `path`; return it.
 
     Every parameter is random, norm weights included (around 1), so swapped or misplaced tensors
@@ -90,7 +108,9 @@ def hf_to_trtllm(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tens
         p = f"model.layers.{l}.self_attn."
         for kind in ("weight", "bias"):
             if p + f"q_proj.{kind}" in hf:
-                out[f"transformer.layers.{l}.attention.qkv.{kind}"] = torch.cat([hf[p + f"{x}_proj.{kind}"] for x in "qkv"])
+                out[f"transformer.layers.{l}.attention.qkv.{kind}"] = torch.cat(
+                    [hf[p + f"{x}_proj.{kind}"] for x in "qkv"]
+                )
     return out
 
 
@@ -98,7 +118,7 @@ def trtllm_to_hf(trt: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Ten
     """Inverse of hf_to_trtllm: full TRT-LLM tensors -> HF state dict (q/k/v unfused)."""
     H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     D = cfg.get("head_size") or cfg["hidden_size"] // H
-    from bpcompile.core.checkpoint import GLOBAL_NAMES, LAYER_NAMES, _LAYER_RE
+    from bpcompile.core.checkpoint import _LAYER_RE, GLOBAL_NAMES, LAYER_NAMES
 
     back = {v: k for k, v in GLOBAL_NAMES.items()}
     back_layer = {v: k for k, v in LAYER_NAMES.items()}
@@ -138,18 +158,20 @@ def random_llama(cfg, seed: int, scale: float = 1.0):
         return torch.randn(*shape, generator=g) * std
 
     h, d, inter = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
-    w = {"transformer.vocab_embedding.weight": r(cfg.vocab_size, h, std=1.0),
-         "transformer.ln_f.weight": 1 + r(h, std=0.1),
-         "lm_head.weight": r(cfg.vocab_size, h, std=scale * 3 / math.sqrt(h))}
+    w = {
+        "transformer.vocab_embedding.weight": r(cfg.vocab_size, h, std=1.0),
+        "transformer.ln_f.weight": 1 + r(h, std=0.1),
+        "lm_head.weight": r(cfg.vocab_size, h, std=scale * 3 / math.sqrt(h)),
+    }
     for i in range(cfg.num_layers):
         p = f"transformer.layers.{i}."
         w[p + "input_layernorm.weight"] = 1 + r(h, std=0.1)
         w[p + "post_layernorm.weight"] = 1 + r(h, std=0.1)
-        w[p + "attention.qkv.weight"] = r((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, std=h ** -0.5)
+        w[p + "attention.qkv.weight"] = r((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, std=h**-0.5)
         w[p + "attention.dense.weight"] = r(h, cfg.num_heads * d, std=(cfg.num_heads * d) ** -0.5)
-        w[p + "mlp.fc.weight"] = r(inter, h, std=h ** -0.5)
-        w[p + "mlp.gate.weight"] = r(inter, h, std=h ** -0.5)
-        w[p + "mlp.proj.weight"] = r(h, inter, std=inter ** -0.5)
+        w[p + "mlp.fc.weight"] = r(inter, h, std=h**-0.5)
+        w[p + "mlp.gate.weight"] = r(inter, h, std=h**-0.5)
+        w[p + "mlp.proj.weight"] = r(h, inter, std=inter**-0.5)
     return Llama(cfg, w)
 
 

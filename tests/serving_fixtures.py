@@ -5,6 +5,7 @@ Source of the models, first that exists:
 2. the shipped tiny pair: `bpcompile build` of recipes/tiny.yaml (outputs redirected to a temporary store),
 3. small random Llamas with the tiny tokenizer (the draft a copy of the verifier, so drafts are accepted).
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,7 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
         return dst
     if (TINY / "verifier" / "config.json").is_file() and (TINY / "draft" / "config.json").is_file():
         return _built(dst, version, recipe_overrides)
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.compiler.convert import convert_checkpoint
 
     v, d = _hf_pair(dst.parent)
     dst.mkdir(parents=True)
@@ -64,21 +65,23 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(v / f, dst / "tokenizer" / f)
     write_engine_config(dst, **{**RECIPE, **(recipe_overrides or {})})
-    (dst / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version,
-                                                   "build_id": f"test-{version}-{v.name}"}))
+    (dst / "manifest.json").write_text(
+        json.dumps({"name": "tiny", "version": version, "build_id": f"test-{version}-{v.name}"})
+    )
     return dst
 
 
 def _built(dst: Path, version: int, recipe_overrides: dict | None) -> Path:
     """Version `version` of recipes/tiny.yaml built by the real build pipeline (--force for later versions),
     copied to dst."""
-    from bpcompile.build.pipeline import build
+    from bpcompile.compiler.pipeline import build
 
     store = dst.parent / "_store"
     store.mkdir(parents=True, exist_ok=True)
     text = (REPO / "recipes" / "tiny.yaml").read_text().replace("../models/tiny", str(TINY))
     text = text.replace("store: ../engines", f"store: {store / 'engines'}").replace(
-        "triton_repo: ../triton_repo", f"triton_repo: {store / 'triton_repo'}")
+        "triton_repo: ../triton_repo", f"triton_repo: {store / 'triton_repo'}"
+    )
     recipe = store / "tiny.yaml"
     recipe.write_text(text)
     res = build(recipe, force=version > 1)

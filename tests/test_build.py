@@ -1,4 +1,5 @@
 """Build + store: publish, idempotent rebuild, --force, atomic publish under injected failure, concurrent builds."""
+
 from __future__ import annotations
 
 import json
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from bpcompile.build.pipeline import build
-from bpcompile.cli import main
-from bpcompile.core.store import EngineStore, sha256_file
 from pairs import make_pair, write_recipe
+
+from bpcompile.cli import main
+from bpcompile.compiler.pipeline import build
+from bpcompile.core.store import EngineStore, sha256_file
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_build_publishes_then_is_idempotent(tmp_path, pair):
 
 def _fail_after(monkeypatch, stage: str) -> None:
     """The build raises right after `stage` really ran: the stage's own code first, then an error."""
-    from bpcompile.build import convert, pipeline
+    from bpcompile.compiler import convert, pipeline
 
     if stage.startswith("convert"):
         real, role = convert.convert_checkpoint, stage.split()[1]
@@ -69,6 +70,7 @@ def _fail_after(monkeypatch, stage: str) -> None:
             if Path(out).name == role:
                 raise RuntimeError(f"injected failure after {stage}")
             return res
+
         monkeypatch.setattr(convert, "convert_checkpoint", conv)
     else:
         real_cal = pipeline._calibrate_stage
@@ -76,6 +78,7 @@ def _fail_after(monkeypatch, stage: str) -> None:
         def cal(*args):
             real_cal(*args)
             raise RuntimeError(f"injected failure after {stage}")
+
         monkeypatch.setattr(pipeline, "_calibrate_stage", cal)
 
 
@@ -122,16 +125,25 @@ def test_inspect_and_list(tmp_path, pair):
 
 
 def test_tensorrt_llm_target_fails_clearly_without_tensorrt(tmp_path, pair):
-    recipe = write_recipe(tmp_path / "r.yaml", *pair, extra="target: tensorrt-llm\nspeculative: {tree: chain, length: 4}\n")
+    recipe = write_recipe(
+        tmp_path / "r.yaml", *pair, extra="target: tensorrt-llm\nspeculative: {tree: chain, length: 4}\n"
+    )
     r = CliRunner().invoke(main, ["build", str(recipe)])
     assert r.exit_code == 2 and "TensorRT-LLM 1.2" in r.stderr and "target" in r.stderr
     assert versions(tmp_path) == []
 
 
-@pytest.mark.parametrize("extra, key, says", [
-    ("kv_cache: {format: int4-fp8-outlier}\nspeculative: {tree: none}\n", "kv_cache.format", "one dtype per KV pool"),
-    ("kv_cache: {format: fp16}\nspeculative: {tree: dynamic, nodes: 5}\n", "speculative.tree", "chain"),
-])
+@pytest.mark.parametrize(
+    "extra, key, says",
+    [
+        (
+            "kv_cache: {format: int4-fp8-outlier}\nspeculative: {tree: none}\n",
+            "kv_cache.format",
+            "one dtype per KV pool",
+        ),
+        ("kv_cache: {format: fp16}\nspeculative: {tree: dynamic, nodes: 5}\n", "speculative.tree", "chain"),
+    ],
+)
 def test_tensorrt_llm_target_refuses_what_its_executor_cannot_hold(tmp_path, pair, extra, key, says):
     """Not a silent downgrade: the recipe is refused before any stage, naming the key and the alternative."""
     text = write_recipe(tmp_path / "r.yaml", *pair).read_text().replace("kv_cache: {format: fp16}\n", "")
@@ -151,9 +163,9 @@ def test_tensorrt_llm_kv_cache_scales_in_every_rank_file(tmp_path, pair, fmt, qm
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from bpcompile.build.convert import convert_checkpoint
-    from bpcompile.build.corpus import calibration_samples
-    from bpcompile.build.trtllm import kv_scales_stage
+    from bpcompile.compiler.convert import convert_checkpoint
+    from bpcompile.compiler.corpus import calibration_samples
+    from bpcompile.compiler.trtllm import kv_scales_stage
 
     v = pair[0]
     ckpt = tmp_path / "verifier"
@@ -187,7 +199,7 @@ def _feature_draft(d: Path, verifier: Path, fc_cols: int = 2) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from bpcompile.build.hf import read_hf_config
+    from bpcompile.compiler.hf import read_hf_config
 
     c = read_hf_config(verifier)
     H, D, inter = c["hidden_size"], c["head_dim"], 48
@@ -195,14 +207,22 @@ def _feature_draft(d: Path, verifier: Path, fc_cols: int = 2) -> Path:
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=g) / s[-1] ** 0.5  # noqa: E731
     p = "transformer.layers.0."
-    w = {"fc.weight": r(H, fc_cols * H), "fc.bias": torch.zeros(H), p + "input_layernorm.weight": torch.ones(H),
-         p + "post_layernorm.weight": torch.ones(H), p + "attention.qkv.weight": r(nq + 2 * nkv, H),
-         p + "attention.dense.weight": r(H, nq), p + "mlp.fc.weight": r(inter, H), p + "mlp.gate.weight": r(inter, H),
-         p + "mlp.proj.weight": r(H, inter)}
+    w = {
+        "fc.weight": r(H, fc_cols * H),
+        "fc.bias": torch.zeros(H),
+        p + "input_layernorm.weight": torch.ones(H),
+        p + "post_layernorm.weight": torch.ones(H),
+        p + "attention.qkv.weight": r(nq + 2 * nkv, H),
+        p + "attention.dense.weight": r(H, nq),
+        p + "mlp.fc.weight": r(inter, H),
+        p + "mlp.gate.weight": r(inter, H),
+        p + "mlp.proj.weight": r(H, inter),
+    }
     d.mkdir(parents=True)
     save_file(w, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"architecture": "FeatureDraft", "num_layers": 1,
-                                               "intermediate_size": inter}))
+    (d / "config.json").write_text(
+        json.dumps({"architecture": "FeatureDraft", "num_layers": 1, "intermediate_size": inter})
+    )
     return d
 
 

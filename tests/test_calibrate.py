@@ -1,20 +1,31 @@
 """KV calibration and the fidelity eval on small real checkpoints (random HF Llama -> converted)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from conftest import make_hf_llama
 
-from bpcompile.build.calibrate import (KVCalibConfig, calibrate, calibrate_engine_stage, kv_loss_grad_sq,
-                                      n_outlier_units)
-from bpcompile.build.convert import convert_checkpoint
+from bpcompile.compiler.calibrate import (
+    KVCalibConfig,
+    calibrate,
+    calibrate_engine_stage,
+    kv_loss_grad_sq,
+    n_outlier_units,
+)
+from bpcompile.compiler.convert import convert_checkpoint
 from bpcompile.core.errors import UserError
-from bpcompile.eval.evaluate import (cached_forward, evaluate, evaluate_engine,
-                                evaluate_engine_report, inject_key_outliers)
+from bpcompile.eval.evaluate import (
+    cached_forward,
+    evaluate,
+    evaluate_engine,
+    evaluate_engine_report,
+    inject_key_outliers,
+)
 from bpcompile.runtime.kvcache import KVPlan, fake_quantize
 from bpcompile.runtime.model import Llama, causal_attend
-from conftest import make_hf_llama
 
 VOCAB = 300
 
@@ -96,10 +107,11 @@ def test_loss_gradient_of_kv_matches_finite_differences(ckpt):
                     x[b, t, h, d] += delta
                     k, v = (x, v) if kv == 0 else (k, x)
                 return causal_attend(q, k, v)
+
             return _loss(m64, tok, attend)
 
         fd = (moved(eps) - moved(-eps)) / (2 * eps)
-        assert fd ** 2 == pytest.approx(g.max().item(), rel=1e-3)
+        assert fd**2 == pytest.approx(g.max().item(), rel=1e-3)
 
 
 def test_fisher_error_ranks_units_by_their_effect_on_the_loss(model):
@@ -116,11 +128,18 @@ def test_fisher_error_ranks_units_by_their_effect_on_the_loss(model):
             if i == u["layer"]:
                 x = (k if u["kind"] == "k" else v).clone()
                 h, kv = u["head"], int(u["kind"] == "v")  # the unit's own INT4 settings from the plan
-                x[:, :, h] = fake_quantize(x[:, :, h], "int4", plan.effective_group_size,
-                                           None if kv else plan.k_channel_scale[i, h], float(plan.int4_clip[i, kv, h]),
-                                           None if kv else plan.k_mean[i, h], plan.rotation == "hadamard")
+                x[:, :, h] = fake_quantize(
+                    x[:, :, h],
+                    "int4",
+                    plan.effective_group_size,
+                    None if kv else plan.k_channel_scale[i, h],
+                    float(plan.int4_clip[i, kv, h]),
+                    None if kv else plan.k_mean[i, h],
+                    plan.rotation == "hadamard",
+                )
                 k, v = (x, v) if u["kind"] == "k" else (k, x)
             return causal_attend(q, k, v)
+
         return abs(_loss(model, tok, attend) - base)
 
     assert quantized_alone(units[-1]) > 3 * quantized_alone(units[0])
@@ -149,7 +168,6 @@ def test_quantized_cache_forward_and_eval(model):
 
 
 def test_outlier_injection_preserves_function_and_hurts_naive_int4(model):
-    c = model.cfg
     inj = inject_key_outliers(model, factor=30.0)
     tok = torch.tensor(samples(2, 20, 4))
     assert (inj.forward(tok) - model.forward(tok)).abs().max() < 1e-4
@@ -176,12 +194,20 @@ def test_engine_stage_writes_plan(ckpt, tmp_path):
 def test_speculative_greedy_equals_verifier_only_with_quantized_cache(ckpt, model, tmp_path):
     """Tree verification must read exactly the dequantized values sequential decode reads (per-token
     quantization + move() as a byte copy), so greedy speculation == verifier-only greedy, same cache."""
-    from bpcompile.runtime.kvcache import kv_store_factory
     from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.kvcache import kv_store_factory
     from bpcompile.runtime.speculative import TreeSpec
 
-    draft_hf = make_hf_llama(tmp_path / "dhf", vocab_size=VOCAB, seed=1, hidden_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, intermediate_size=48)
+    draft_hf = make_hf_llama(
+        tmp_path / "dhf",
+        vocab_size=VOCAB,
+        seed=1,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=48,
+    )
     convert_checkpoint(draft_hf, tmp_path / "draft")
     draft = Llama.from_checkpoint(tmp_path / "draft")
     plan, _ = calibrate(model, samples(2, 24, 0), CFG)
@@ -213,7 +239,7 @@ def test_evaluate_engine(ckpt, tmp_path):
 def test_retrieval_probes_hold_the_key_where_they_say(ckpt):
     """Each probe's needle positions hold the key twice, the answer positions hold it once more, at the probe's
     depth, and the probe is about the asked length."""
-    from bpcompile.build.corpus import retrieval_probes
+    from bpcompile.compiler.corpus import retrieval_probes
 
     probes = retrieval_probes(ckpt / "tok", samples(4, 32, 3), n=3, length=96, seed=1)
     assert len(probes) == 3
@@ -233,8 +259,8 @@ def test_retrieval_scores_are_transformers_attention_on_the_needle(ckpt, model):
     attention probabilities (eager attention, output_attentions) of the unconverted checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from bpcompile.build.calibrate import retrieval_scores
-    from bpcompile.build.corpus import retrieval_probes
+    from bpcompile.compiler.calibrate import retrieval_scores
+    from bpcompile.compiler.corpus import retrieval_probes
 
     probes = retrieval_probes(ckpt / "tok", samples(4, 32, 4), n=2, length=80)
     hf = AutoModelForCausalLM.from_pretrained(ckpt / "hf", dtype=torch.float32, attn_implementation="eager").eval()
@@ -253,7 +279,7 @@ def test_retrieval_scores_are_transformers_attention_on_the_needle(ckpt, model):
 def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_path):
     """The keys of the highest-scoring units are stored in INT8, the outlier units are then chosen among the
     others by their loss-based order, and the plan's bytes are what the memory plan counts for the recipe."""
-    from bpcompile.build.calibrate import measure_units, plan_from_measurement
+    from bpcompile.compiler.calibrate import measure_units, plan_from_measurement
 
     m = measure_units(model, samples(4, 32, 0), KVCalibConfig.from_dict(CFG))
     score = torch.tensor([[0.1, 0.2], [0.9, 0.3], [0.0, 0.8]])  # (layer 1, head 0) then (2, 1) then (1, 1)
@@ -262,8 +288,11 @@ def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_pat
     assert rep["retrieval_units"] == 2 and rep["fp8_units"] == 3
     alone, _ = plan_from_measurement(m, model.cfg, 0.25)
     order = sorted(range(12), key=lambda u: (-m["units"][u]["fisher_error"], u))
-    want = [u for u in order if (m["units"][u]["layer"], m["units"][u]["kind"], m["units"][u]["head"])
-            not in {(1, "k", 0), (2, "k", 1)}][:3]
+    want = [
+        u
+        for u in order
+        if (m["units"][u]["layer"], m["units"][u]["kind"], m["units"][u]["head"]) not in {(1, "k", 0), (2, "k", 1)}
+    ][:3]
     fp8 = [i for i, u in enumerate(m["units"]) if plan.precision[u["layer"]][u["kind"]][u["head"]] == "fp8"]
     assert sorted(want) == fp8 and sum(x == "fp8" for p in alone.precision for x in p["k"] + p["v"]) == 3
     # bytes per token: 2 INT8 + 3 FP8 units of (16 + 2) bytes, 7 INT4 units of (8 + 2)
@@ -281,9 +310,16 @@ def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_pat
     assert p6.precision[0]["k"] == ["int6", "int6"] and p6.precision[1]["k"] == ["int5", "int5"]
     values = sorted((u for u in m["units"] if u["kind"] == "v"), key=lambda u: (u["layer"] == 1, u["fisher_error"]))
     assert {(u["layer"], u["head"]) for u in values[:3]} == {
-        (layer, h) for layer in range(3) for h in range(2) if p6.precision[layer]["v"][h] == "int3"}
-    rest = sorted((u for u in m["units"] if p6.precision[u["layer"]][u["kind"]][u["head"]] != "int3"
-                   and not (u["kind"] == "k" and u["layer"] < 2)), key=lambda u: -u["fisher_error"])
+        (layer, h) for layer in range(3) for h in range(2) if p6.precision[layer]["v"][h] == "int3"
+    }
+    rest = sorted(
+        (
+            u
+            for u in m["units"]
+            if p6.precision[u["layer"]][u["kind"]][u["head"]] != "int3" and not (u["kind"] == "k" and u["layer"] < 2)
+        ),
+        key=lambda u: -u["fisher_error"],
+    )
     assert [p6.precision[u["layer"]][u["kind"]][u["head"]] for u in rest] == ["fp8"] * 3 + ["int4"] * (len(rest) - 3)
     assert (rep6["int6_units"], rep6["int5_units"], rep6["int3_units"], rep6["fp8_units"]) == (2, 2, 3, 3)
     # 2 INT6 units of (12 + 2) bytes, 2 INT5 of (10 + 2), 3 INT3 of (6 + 2), 3 FP8 of (16 + 2), 2 INT4 of (8 + 2)
@@ -291,19 +327,26 @@ def test_retrieval_units_take_int8_before_the_outlier_units(model, ckpt, tmp_pat
     # two thirds of them: every value outside the INT5 keys' layer, none of its own, whatever their sensitivity
     p7, _ = plan_from_measurement(m, model.cfg, 0.0, int5_keys="middle", int6_keys="early", int3_values=2 / 3)
     assert [p7.precision[layer]["v"] for layer in range(3)] == [["int3"] * 2, ["int4"] * 2, ["int3"] * 2]
-    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "int6_keys": "early", "int3_values": 0.5},
-                                 {"samples": 2, "length": 24}, tmp_path / "kv6")
+    res = calibrate_engine_stage(
+        ckpt / "ckpt",
+        ckpt / "tok",
+        {**CFG, "int6_keys": "early", "int3_values": 0.5},
+        {"samples": 2, "length": 24},
+        tmp_path / "kv6",
+    )
     assert "keys of layers 0-0 INT6" in res["detail"] and "3 value units INT3" in res["detail"], res["detail"]
     assert KVPlan.load(tmp_path / "kv6").precision[0]["k"] == ["int6", "int6"]
     for bad in ({"int6_keys": "late"}, {"int3_values": 1.5}, {"int3_values": True}):
         with pytest.raises(UserError, match=next(iter(bad))):
             KVCalibConfig.from_dict({**CFG, **bad})
-    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "int5_keys": "middle"},
-                                 {"samples": 2, "length": 24}, tmp_path / "kv5")
+    res = calibrate_engine_stage(
+        ckpt / "ckpt", ckpt / "tok", {**CFG, "int5_keys": "middle"}, {"samples": 2, "length": 24}, tmp_path / "kv5"
+    )
     assert "keys of layers 1-1 INT5" in res["detail"] and not res["fp8_units"][0].startswith("L1.k")
     assert KVPlan.load(tmp_path / "kv5").precision[1]["k"] == ["int5", "int5"]
-    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", {**CFG, "retrieval_fraction": 0.1},
-                                 {"samples": 2, "length": 24}, tmp_path / "kv")
+    res = calibrate_engine_stage(
+        ckpt / "ckpt", ckpt / "tok", {**CFG, "retrieval_fraction": 0.1}, {"samples": 2, "length": 24}, tmp_path / "kv"
+    )
     assert len(res["retrieval_units"]) == 1 and "retrieval keys INT8" in res["detail"]
     saved = KVPlan.load(tmp_path / "kv")
     assert sum(x == "int8" for p in saved.precision for x in p["k"]) == 1
@@ -317,7 +360,7 @@ def test_klt_keys_are_fit_where_asked_and_speculation_stays_identical(ckpt, mode
     """key_transform: klt stores the INT4 keys of the first two thirds of the layers as KLT4 units: bits summing to
     4 x head size, an orthonormal basis (to float16 rounding), the same payload bytes; tree speculation over such a cache
     (tree entries written at their depth's position, then moved) gives verifier-only greedy output."""
-    from bpcompile.build.calibrate import klt_key_layers
+    from bpcompile.compiler.calibrate import klt_key_layers
     from bpcompile.runtime.generator import Generator, SamplingParams
     from bpcompile.runtime.kvcache import kv_store_factory
     from bpcompile.runtime.speculative import TreeSpec
@@ -333,15 +376,31 @@ def test_klt_keys_are_fit_where_asked_and_speculation_stays_identical(ckpt, mode
             assert int(plan.klt["bits"][layer, h].long().sum()) == 4 * D
             V = plan.klt["basis"][layer, h].float()
             assert V.dtype == torch.float32 and (V.T @ V - torch.eye(D)).abs().max() < 0.01
-    draft_hf = make_hf_llama(tmp_path / "dhf", vocab_size=VOCAB, seed=1, hidden_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, intermediate_size=48)
+    draft_hf = make_hf_llama(
+        tmp_path / "dhf",
+        vocab_size=VOCAB,
+        seed=1,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=48,
+    )
     convert_checkpoint(draft_hf, tmp_path / "draft")
     draft = Llama.from_checkpoint(tmp_path / "draft")
     prompts, params, runs = samples(2, 12, 7), SamplingParams(max_tokens=24), []
     for d, tree in ((None, None), (draft, TreeSpec("dynamic", nodes=5))):
         for dense in (True, False):
-            gen = Generator(model, d, tree, max_batch_size=2, max_seq_len=64, kv_store_factory=kv_store_factory(plan),
-                            dense_kv=dense, backoff=False)
+            gen = Generator(
+                model,
+                d,
+                tree,
+                max_batch_size=2,
+                max_seq_len=64,
+                kv_store_factory=kv_store_factory(plan),
+                dense_kv=dense,
+                backoff=False,
+            )
             runs.append([toks for toks, _ in gen.generate(prompts, params)])
     assert all(r == runs[0] for r in runs) and all(len(t) == 24 for t in runs[0])
     assert gen.vkv.store.positions is not None  # the KLT store, recording positions
@@ -351,11 +410,16 @@ def test_klt_keys_keep_the_bands_bits(ckpt, model, tmp_path):
     """With INT6 keys in the first third and INT5 in the middle, key_transform: klt stores them as KLT6 / KLT5 units
     (bits summing to 6 / 5 x head size, the same payload bytes), also with a group size below the head size; a KLT6
     unit reads back held-out keys closer to what was written than the same unit as KLT4."""
-    from bpcompile.build.calibrate import capture_qkv
+    from bpcompile.compiler.calibrate import capture_qkv
     from bpcompile.runtime.kvcache import QuantKVStore
 
-    cfg = CFG | {"outlier_fraction": 0.0, "group_size": 64, "int6_keys": "early", "int5_keys": "middle",
-                 "int3_values": 0.5}
+    cfg = CFG | {
+        "outlier_fraction": 0.0,
+        "group_size": 64,
+        "int6_keys": "early",
+        "int5_keys": "middle",
+        "int3_values": 0.5,
+    }
     plan, _ = calibrate(model, samples(4, 24, 0), cfg | {"key_transform": "klt"})
     none, _ = calibrate(model, samples(4, 24, 0), cfg)
     D = plan.head_size
@@ -367,8 +431,9 @@ def test_klt_keys_keep_the_bands_bits(ckpt, model, tmp_path):
     _, _, k, v = next(iter(capture_qkv(model, samples(1, 24, 3))))  # layer 0's keys (after RoPE), held out
     T = k.shape[1]
     errs = []
-    klt4, _ = calibrate(model, samples(4, 24, 0), CFG | {"outlier_fraction": 0.0, "group_size": 64,
-                                                        "key_transform": "klt"})
+    klt4, _ = calibrate(
+        model, samples(4, 24, 0), CFG | {"outlier_fraction": 0.0, "group_size": 64, "key_transform": "klt"}
+    )
     assert klt4.precision[0]["k"] == ["klt4"] * 2
     # a group size below the head size: the other units get more scales, a KLT unit keeps one per token
     fine, _ = calibrate(model, samples(4, 24, 0), cfg | {"key_transform": "klt", "group_size": D // 2})
@@ -381,8 +446,9 @@ def test_klt_keys_keep_the_bands_bits(ckpt, model, tmp_path):
         errs.append(float((store.read(0, slots)[0].float() - k[0]).pow(2).mean()))
     assert errs[0] < 0.5 * errs[1], errs  # two more bits a coefficient: a quarter of the squared error, roughly
     assert errs[2] == errs[0]  # the KLT units' codes do not depend on the other units' group size
-    res = calibrate_engine_stage(ckpt / "ckpt", ckpt / "tok", cfg | {"key_transform": "klt"},
-                                 {"samples": 2, "length": 24}, tmp_path / "kv")
+    res = calibrate_engine_stage(
+        ckpt / "ckpt", ckpt / "tok", cfg | {"key_transform": "klt"}, {"samples": 2, "length": 24}, tmp_path / "kv"
+    )
     assert "keys of layers 0-1 KLT (before RoPE; layers 0-0 KLT6; layers 1-1 KLT5)" in res["detail"], res["detail"]
 
 
@@ -391,7 +457,7 @@ def test_klt_keys_lower_the_shipped_tiny_verifiers_held_out_kl(tmp_path):
     layers as KLT4 units has a lower held-out KL vs FP16 KV than with them Hadamard-rotated INT4 (same bytes)."""
     from pathlib import Path
 
-    from bpcompile.build.corpus import _windows, calibration_samples, heldout_documents
+    from bpcompile.compiler.corpus import _windows, calibration_samples, heldout_documents
 
     tiny = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
     convert_checkpoint(tiny, tmp_path / "ck")

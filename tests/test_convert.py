@@ -1,4 +1,5 @@
 """Conversion HF -> TensorRT-LLM checkpoint: names, shapes and contents per rank, config, round trip, errors."""
+
 from __future__ import annotations
 
 import json
@@ -6,18 +7,26 @@ import struct
 
 import pytest
 import torch
+from conftest import SMALL, hf_to_trtllm, make_hf_llama, trtllm_to_hf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from bpcompile.build.convert import convert_checkpoint
+from bpcompile.compiler.convert import convert_checkpoint
+from bpcompile.compiler.hf import TensorReader, list_weights, read_hf_config, tokenizers_equal, weight_files
 from bpcompile.core.checkpoint import merge_ranks
 from bpcompile.core.errors import UserError
-from bpcompile.build.hf import (TensorReader, list_weights, read_hf_config, tokenizers_equal,
-                          weight_files)
-from conftest import SMALL, hf_to_trtllm, make_hf_llama, trtllm_to_hf
 
-H, KV, HID, INTER, V, LAYERS = (SMALL[k] for k in ("num_attention_heads", "num_key_value_heads", "hidden_size",
-                                                   "intermediate_size", "vocab_size", "num_hidden_layers"))
+H, KV, HID, INTER, V, LAYERS = (
+    SMALL[k]
+    for k in (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "hidden_size",
+        "intermediate_size",
+        "vocab_size",
+        "num_hidden_layers",
+    )
+)
 D = HID // H
 
 
@@ -78,7 +87,7 @@ def test_names_shapes_per_rank(hf_model, tmp_path, tp, pp):
         # the hand-written header is 8-byte aligned JSON
         raw = path.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        assert n % 8 == 0 and json.loads(raw[8:8 + n])
+        assert n % 8 == 0 and json.loads(raw[8 : 8 + n])
 
 
 def test_split_contents_kv_duplication_and_vocab_padding(hf_model, tmp_path):
@@ -92,15 +101,18 @@ def test_split_contents_kv_duplication_and_vocab_padding(hf_model, tmp_path):
     for r, w in enumerate(ranks):
         qkv = w["transformer.layers.1.attention.qkv.weight"]
         kv = r // (tp // KV)
-        assert torch.equal(qkv[:D], q[r * D:(r + 1) * D])
-        assert torch.equal(qkv[D:2 * D], k[kv * D:(kv + 1) * D])
-        assert torch.equal(qkv[2 * D:], v[kv * D:(kv + 1) * D])
-        assert torch.equal(w["transformer.layers.1.attention.dense.weight"],
-                           hf[p + "self_attn.o_proj.weight"][:, r * D:(r + 1) * D])
+        assert torch.equal(qkv[:D], q[r * D : (r + 1) * D])
+        assert torch.equal(qkv[D : 2 * D], k[kv * D : (kv + 1) * D])
+        assert torch.equal(qkv[2 * D :], v[kv * D : (kv + 1) * D])
+        assert torch.equal(
+            w["transformer.layers.1.attention.dense.weight"], hf[p + "self_attn.o_proj.weight"][:, r * D : (r + 1) * D]
+        )
         n = INTER // tp
-        assert torch.equal(w["transformer.layers.1.mlp.fc.weight"], hf[p + "mlp.gate_proj.weight"][r * n:(r + 1) * n])
-        assert torch.equal(w["transformer.layers.1.mlp.gate.weight"], hf[p + "mlp.up_proj.weight"][r * n:(r + 1) * n])
-        assert torch.equal(w["transformer.layers.1.mlp.proj.weight"], hf[p + "mlp.down_proj.weight"][:, r * n:(r + 1) * n])
+        assert torch.equal(w["transformer.layers.1.mlp.fc.weight"], hf[p + "mlp.gate_proj.weight"][r * n : (r + 1) * n])
+        assert torch.equal(w["transformer.layers.1.mlp.gate.weight"], hf[p + "mlp.up_proj.weight"][r * n : (r + 1) * n])
+        assert torch.equal(
+            w["transformer.layers.1.mlp.proj.weight"], hf[p + "mlp.down_proj.weight"][:, r * n : (r + 1) * n]
+        )
         assert torch.equal(w["transformer.vocab_embedding.weight"], hf["model.embed_tokens.weight"])
     lm = torch.cat([w["lm_head.weight"] for w in ranks])
     assert lm.shape[0] == 100 and torch.equal(lm[:V], hf["lm_head.weight"]) and not lm[V:].any()
@@ -113,7 +125,9 @@ def test_tp2_qkv_layout(hf_model, tmp_path):
     q, k, v = (hf[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
     for r in range(2):
         qkv = load_file(tmp_path / f"rank{r}.safetensors")["transformer.layers.0.attention.qkv.weight"]
-        assert torch.equal(qkv, torch.cat([q[2 * r * D:(2 * r + 2) * D], k[r * D:(r + 1) * D], v[r * D:(r + 1) * D]]))
+        assert torch.equal(
+            qkv, torch.cat([q[2 * r * D : (2 * r + 2) * D], k[r * D : (r + 1) * D], v[r * D : (r + 1) * D]])
+        )
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1), (4, 2)])
@@ -144,12 +158,28 @@ def test_config_json(hf_tied, tmp_path):
     convert_checkpoint(hf_tied, tmp_path, tp=2, pp=2)
     cfg = json.loads((tmp_path / "config.json").read_text())
     want = {
-        "architecture": "LlamaForCausalLM", "dtype": "float32", "logits_dtype": "float32", "vocab_size": V,
-        "hidden_size": HID, "num_hidden_layers": LAYERS, "num_attention_heads": H, "num_key_value_heads": KV,
-        "head_size": D, "intermediate_size": INTER, "hidden_act": "silu", "norm_epsilon": 1e-5,
-        "position_embedding_type": "rope_gpt_neox", "max_position_embeddings": 256, "rotary_base": 10000.0,
-        "rotary_scaling": None, "rotary_embedding_dim": D, "tie_word_embeddings": True, "attn_bias": False,
-        "mlp_bias": False, "use_parallel_embedding": False, "embedding_sharding_dim": 0,
+        "architecture": "LlamaForCausalLM",
+        "dtype": "float32",
+        "logits_dtype": "float32",
+        "vocab_size": V,
+        "hidden_size": HID,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": H,
+        "num_key_value_heads": KV,
+        "head_size": D,
+        "intermediate_size": INTER,
+        "hidden_act": "silu",
+        "norm_epsilon": 1e-5,
+        "position_embedding_type": "rope_gpt_neox",
+        "max_position_embeddings": 256,
+        "rotary_base": 10000.0,
+        "rotary_scaling": None,
+        "rotary_embedding_dim": D,
+        "tie_word_embeddings": True,
+        "attn_bias": False,
+        "mlp_bias": False,
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
     assert {k: cfg[k] for k in want} == want
@@ -159,14 +189,25 @@ def test_config_json(hf_tied, tmp_path):
 
 
 def test_config_llama3_rope_and_head_dim(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     hf = make_hf_llama(tmp_path / "hf", rope_scaling=scaling, rope_theta=500000.0, head_dim=32)
     convert_checkpoint(hf, tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["rotary_base"] == 500000.0 and cfg["head_size"] == 32
-    assert cfg["rotary_scaling"] == {"type": "llama3", "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    assert cfg["rotary_scaling"] == {
+        "type": "llama3",
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
 
 
 def test_transformers4_style_config(tmp_path):
@@ -175,8 +216,7 @@ def test_transformers4_style_config(tmp_path):
     raw = json.loads((hf / "config.json").read_text())
     raw.pop("rope_parameters", None)
     raw.pop("dtype", None)
-    raw.update(rope_theta=123.0, torch_dtype="bfloat16",
-               rope_scaling={"type": "linear", "factor": 2.0})
+    raw.update(rope_theta=123.0, torch_dtype="bfloat16", rope_scaling={"type": "linear", "factor": 2.0})
     (hf / "config.json").write_text(json.dumps(raw))
     spec = read_hf_config(hf)
     assert spec["rope_theta"] == 123.0 and spec["dtype"] == "bfloat16"
@@ -200,14 +240,16 @@ def test_sharded_source_gives_identical_files(tmp_path):
     convert_checkpoint(single, tmp_path / "a", tp=2, pp=2)
     convert_checkpoint(sharded, tmp_path / "b", tp=2, pp=2)
     for r in range(4):
-        assert (tmp_path / "a" / f"rank{r}.safetensors").read_bytes() == (tmp_path / "b" / f"rank{r}.safetensors").read_bytes()
+        assert (tmp_path / "a" / f"rank{r}.safetensors").read_bytes() == (
+            tmp_path / "b" / f"rank{r}.safetensors"
+        ).read_bytes()
 
 
 def test_copy_paths_give_identical_files(tmp_path, monkeypatch):
     """File-to-file byte copies (copy_file_range), their pread fallback and the through-memory path agree."""
     import dataclasses
 
-    from bpcompile.build import convert
+    from bpcompile.compiler import convert
 
     hf = make_hf_llama(tmp_path / "hf", tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     convert_checkpoint(hf, tmp_path / "fast", tp=4, pp=2)
@@ -235,7 +277,9 @@ def test_reader_matches_safe_open(hf_model):
 def test_progress_reports_all_bytes(hf_model, tmp_path):
     seen = []
     convert_checkpoint(hf_model, tmp_path, tp=2, progress=lambda done, total: seen.append((done, total)))
-    data = sum(t.numel() * t.element_size() for r in range(2) for t in load_file(tmp_path / f"rank{r}.safetensors").values())
+    data = sum(
+        t.numel() * t.element_size() for r in range(2) for t in load_file(tmp_path / f"rank{r}.safetensors").values()
+    )
     assert seen[-1][0] == data and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
 
 
@@ -250,12 +294,15 @@ def test_refuses_pickle_checkpoint(hf_model, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("tp,pp,match", [
-    (3, 1, r"parallel\.tp = 3 does not divide num_attention_heads = 4"),
-    (8, 1, r"parallel\.tp = 8 does not divide num_attention_heads"),
-    (1, 4, r"parallel\.pp = 4 is more than the 3 layers"),
-    (0, 1, r"parallel\.tp must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,match",
+    [
+        (3, 1, r"parallel\.tp = 3 does not divide num_attention_heads = 4"),
+        (8, 1, r"parallel\.tp = 8 does not divide num_attention_heads"),
+        (1, 4, r"parallel\.pp = 4 is more than the 3 layers"),
+        (0, 1, r"parallel\.tp must be a positive integer"),
+    ],
+)
 def test_parallel_errors(hf_model, tmp_path, tp, pp, match):
     with pytest.raises(UserError, match=match) as e:
         convert_checkpoint(hf_model, tmp_path / "out", tp=tp, pp=pp)

@@ -1,11 +1,12 @@
 """The corpus split and its token helpers, with a small real BPE tokenizer trained here (no model training)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from bpcompile.build import corpus
+from bpcompile.compiler import corpus
 from bpcompile.core.errors import UserError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
@@ -20,8 +21,12 @@ def tok_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus.train_documents()[:10], trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     d = tmp_path_factory.mktemp("tok")
@@ -99,12 +104,19 @@ def test_shipped_pair_loads_and_generates():
     assert len({tuple(p) for p in prompts}) == 50
     model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
     cfg = model.config
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.vocab_size) == (4, 256, 4, 2, 64, 4096)
+    assert (
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    ) == (4, 256, 4, 2, 64, 4096)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-    new = out[0, len(prompts[0]):]
+        out = model.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+    new = out[0, len(prompts[0]) :]
     assert len(new) == 24
     # plausible: mostly distinct real word pieces, not one token repeated
     assert len(set(new.tolist())) >= 6

@@ -1,6 +1,7 @@
 """`bpcompile build recipes/tiny.yaml` end to end, through the CLI as a user runs it: the shipped tiny pair
 becomes a version with converted checkpoints, a calibrated KV plan, sm_90a kernels with compiled launchers
 and a Triton repository; `eval` and `generate` work on it."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,8 @@ def engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e")
     text = (REPO / "recipes" / "tiny.yaml").read_text().replace("../models/tiny", str(TINY))
     text = text.replace("store: ../engines", f"store: {d / 'engines'}").replace(
-        "triton_repo: ../triton_repo", f"triton_repo: {d / 'triton_repo'}")
+        "triton_repo: ../triton_repo", f"triton_repo: {d / 'triton_repo'}"
+    )
     (d / "tiny.yaml").write_text(text)
     res = CliRunner().invoke(main, ["build", str(d / "tiny.yaml"), "--json"])
     assert res.exit_code == 0, res.output
@@ -54,11 +56,14 @@ def test_eval_and_generate_on_the_built_engine(engine):
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert "markdown" in rep and "int4-naive" in rep["markdown"] and "engine plan" in rep["markdown"]
-    res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "The import statement", "--max-tokens", "8",
-                                    "--json"])
+    res = CliRunner().invoke(
+        main, ["generate", out["path"], "--prompt", "The import statement", "--max-tokens", "8", "--json"]
+    )
     assert res.exit_code == 0, res.output
     # the engine's directory (not a version) means its newest version: the same greedy tokens
-    again = CliRunner().invoke(main, ["generate", str(Path(out["path"]).parent), "--prompt", "The import statement",
-                                      "--max-tokens", "8", "--json"])
+    again = CliRunner().invoke(
+        main,
+        ["generate", str(Path(out["path"]).parent), "--prompt", "The import statement", "--max-tokens", "8", "--json"],
+    )
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout)["tokens"] == json.loads(res.stdout)["tokens"]

@@ -1,5 +1,6 @@
 """`bpcompile eval` beyond the next token, on the shipped tiny pair: the evaluation text (--text), passkey
 retrieval, greedy-continuation parity, and FP16 KV meaning FP16 whatever the model's dtype."""
+
 from __future__ import annotations
 
 import json
@@ -9,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import write_engine_config  # noqa: E402
 
-from bpcompile.build.calibrate import calibrate_engine_stage
 from bpcompile.cli import main
-from bpcompile.build.convert import convert_checkpoint
+from bpcompile.compiler.calibrate import calibrate_engine_stage
+from bpcompile.compiler.convert import convert_checkpoint
 from bpcompile.eval.evaluate import _prefix_kv, decode_logits, passkey_trials
+from bpcompile.runtime.generator import Generator, SamplingParams
 from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 from bpcompile.runtime.model import Llama
-from bpcompile.runtime.generator import Generator, SamplingParams
 from bpcompile.runtime.speculative import TreeSpec
-from conftest import write_engine_config  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
 KV = {"format": "int4-fp8-outlier", "outlier_fraction": 0.08, "group_size": 64, "page_size": 16}
@@ -54,14 +55,15 @@ def test_teacher_forced_decode_reads_what_the_runtime_decode_reads(verifier):
     prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     c = verifier.cfg
     plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
-    gen = Generator(verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64,
-                    kv_store_factory=kv_store_factory(plan))
+    gen = Generator(
+        verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64, kv_store_factory=kv_store_factory(plan)
+    )
     out = gen.generate([prompt], SamplingParams(max_tokens=16))[0][0]
     kv = _prefix_kv(verifier, prompt)
     pred = decode_logits(verifier, kv, out[:-1], plan).argmax(-1).tolist()
     assert pred == out[1:]  # the first token comes from the prefill, the rest from decode steps
     fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
-    full = verifier.forward(torch.tensor([prompt + out]))[0, len(prompt):-1]
+    full = verifier.forward(torch.tensor([prompt + out]))[0, len(prompt) : -1]
     torch.testing.assert_close(decode_logits(verifier, kv, out[:-1], fp16), full, atol=2e-2, rtol=0)
 
 
@@ -76,8 +78,9 @@ def test_passkey_greedy_answer_is_the_runtime_greedy_decode(verifier, window):
     prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     c = verifier.cfg
     plan = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=window)
-    gen = Generator(verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64,
-                    kv_store_factory=kv_store_factory(plan))
+    gen = Generator(
+        verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64, kv_store_factory=kv_store_factory(plan)
+    )
     out = gen.generate([prompt], SamplingParams(max_tokens=16))[0][0]
     assert greedy_answer(verifier, _prefix_kv(verifier, prompt), out[:3], plan, 13) == out[3:]
 
@@ -96,9 +99,9 @@ def test_passkey_trials_hide_the_key_at_the_asked_length():
     ts = passkey_trials(tok, 256, 6, seed=3)
     assert ts == passkey_trials(tok, 256, 6, seed=3)  # deterministic per seed
     for t in ts:
-        key = tok.decode(t["ids"][t["key_start"]:]).strip()
+        key = tok.decode(t["ids"][t["key_start"] :]).strip()
         assert key.isdigit() and len(key) == 5
-        haystack = tok.decode(t["ids"][:t["prompt_len"]])
+        haystack = tok.decode(t["ids"][: t["prompt_len"]])
         assert f"pass key is {key}." in haystack and haystack.rstrip().endswith("What is the pass key?")
         assert 0.8 * 256 <= t["prompt_len"] <= 1.2 * 256
     assert len({t["depth"] for t in ts}) > 1
@@ -118,8 +121,19 @@ def test_paired_difference_of_passkey_outcomes():
 
 
 def test_eval_passkey_and_parity_on_tiny_sizes(engine):
-    res = run_eval(engine, "--plans", "int4-naive,engine", "--passkey", "128,256", "--passkey-trials", "2",
-                   "--parity-prompts", "3", "--parity-tokens", "8")
+    res = run_eval(
+        engine,
+        "--plans",
+        "int4-naive,engine",
+        "--passkey",
+        "128,256",
+        "--passkey-trials",
+        "2",
+        "--parity-prompts",
+        "3",
+        "--parity-tokens",
+        "8",
+    )
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     names = [r["name"] for r in rep["rows"]]
@@ -134,7 +148,10 @@ def test_eval_passkey_and_parity_on_tiny_sizes(engine):
             assert len(h) == 2 and sum(h) / 2 == pk["accuracy"][n][L]
             if n != "fp16":
                 d = pk["vs_fp16"][n][L]
-                assert (d["only_this"], d["only_fp16"]) == (sum(x > y for x, y in zip(h, f)), sum(x < y for x, y in zip(h, f)))
+                assert (d["only_this"], d["only_fp16"]) == (
+                    sum(x > y for x, y in zip(h, f)),
+                    sum(x < y for x, y in zip(h, f)),
+                )
     assert "fp16" not in pk["vs_fp16"] and "vs FP16 KV, same trials" in rep["markdown"]
     gp = rep["parity"]
     assert gp["prompts"] == 3 and gp["tokens"] == 8 and set(gp["identical"]) == set(names)
@@ -143,7 +160,7 @@ def test_eval_passkey_and_parity_on_tiny_sizes(engine):
 
 
 def test_eval_text_file_is_used_and_named(engine, tmp_path):
-    from bpcompile.build import corpus
+    from bpcompile.compiler import corpus
 
     f = tmp_path / "mine.txt"
     f.write_text(corpus.train_text()[:20000])
@@ -153,8 +170,9 @@ def test_eval_text_file_is_used_and_named(engine, tmp_path):
     assert a["rows"][0]["ppl"] != b["rows"][0]["ppl"]  # other text, other perplexity
 
 
-@pytest.mark.parametrize("content, why", [(None, "expected a UTF-8 text file"), (b"\xff\xfe\x00bad", "not UTF-8"),
-                                          (b"too short", "windows")])
+@pytest.mark.parametrize(
+    "content, why", [(None, "expected a UTF-8 text file"), (b"\xff\xfe\x00bad", "not UTF-8"), (b"too short", "windows")]
+)
 def test_eval_text_bad_input_is_a_clear_error(engine, tmp_path, content, why):
     f = tmp_path / "t.txt"
     if content is not None:
@@ -174,8 +192,9 @@ def test_fp16_kv_format_stores_fp16_for_an_fp32_model(engine, tmp_path):
     """recipe kv_cache.format fp16 (no KV plan) must give an FP16 cache, not one in the model's dtype."""
     eng = tmp_path / "e"
     shutil.copytree(engine / "verifier", eng / "verifier")
-    write_engine_config(eng, kv_cache={"format": "fp16", "page_size": 16},
-                        limits={"max_seq_len": 64, "max_input_len": 32})
+    write_engine_config(
+        eng, kv_cache={"format": "fp16", "page_size": 16}, limits={"max_seq_len": 64, "max_input_len": 32}
+    )
     gen = Generator.from_engine(eng)
     assert gen.verifier.dtype == torch.float32
     assert gen.vkv.store.dtype == torch.float16 and gen.vkv.store.k.dtype == torch.float16
@@ -183,7 +202,7 @@ def test_fp16_kv_format_stores_fp16_for_an_fp32_model(engine, tmp_path):
 
 def test_engine_tokenizer_keeps_the_chat_template(tmp_path):
     """Passkey prompts go through the chat template, which transformers 5 saves in its own file."""
-    from bpcompile.build.pipeline import _copy_tokenizer
+    from bpcompile.compiler.pipeline import _copy_tokenizer
 
     src = tmp_path / "ckpt"
     src.mkdir()

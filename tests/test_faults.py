@@ -8,6 +8,7 @@ The kill points are the build's test hook (store.fault_point, $BPCOMPILE_FAULT_A
 small tmpfs mounted over the work directory when this runs as root (resized to leave a few MB free), else a
 file-size limit (RLIMIT_FSIZE: writes past it fail with EFBIG) set in the build process.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,13 @@ MB = 1 << 20
 
 def _recipe(root: Path, kernels: bool = False) -> Path:
     text = (REPO / "recipes" / "tiny.yaml").read_text()
-    text = (text.replace("../models/", f"{REPO}/models/")
-            .replace("store: ../engines", f"store: {root / 'engines'}")
-            .replace("triton_repo: ../triton_repo", f"triton_repo: {root / 'repo'}")
-            .replace("samples: 16, length: 128", "samples: 2, length: 32")
-            .replace("compile: true", f"compile: {'true' if kernels else 'false'}"))
+    text = (
+        text.replace("../models/", f"{REPO}/models/")
+        .replace("store: ../engines", f"store: {root / 'engines'}")
+        .replace("triton_repo: ../triton_repo", f"triton_repo: {root / 'repo'}")
+        .replace("samples: 16, length: 128", "samples: 2, length: 32")
+        .replace("compile: true", f"compile: {'true' if kernels else 'false'}")
+    )
     f = root.parent / ("kernels.yaml" if kernels else "tiny.yaml")
     f.write_text(text)
     return f
@@ -49,8 +52,13 @@ class Disk:
     def __init__(self, root: Path):
         self.root = root
         root.mkdir()
-        ok = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(root)],
-                                                  capture_output=True).returncode == 0
+        ok = (
+            os.geteuid() == 0
+            and subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(root)], capture_output=True
+            ).returncode
+            == 0
+        )
         self.mode = "tmpfs" if ok else "rlimit-fsize"
 
     def close(self):
@@ -68,12 +76,20 @@ class Disk:
         def preexec():
             resource.setrlimit(resource.RLIMIT_FSIZE, (free, free))
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not death by signal
+
         return preexec, lambda: None
 
 
 def bp(*args, env=None, preexec=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bpcompile.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, preexec_fn=preexec, timeout=240, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "bpcompile.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        preexec_fn=preexec,
+        timeout=240,
+        cwd=REPO,
+    )
 
 
 def listed(engines: Path) -> list[int]:
@@ -110,8 +126,9 @@ def served(root: Path) -> list[int]:
         copy = repo / "tensorrt_llm" / str(v) / "engine"
         assert all(sha256_file(copy / f) == a["sha256"] for f, a in manifest["artifacts"].items())
         for m in ("preprocessing", "postprocessing"):
-            assert (repo / m / str(v) / "tokenizer" / "tokenizer.json").read_bytes() == \
-                (store_v / "tokenizer" / "tokenizer.json").read_bytes()
+            assert (repo / m / str(v) / "tokenizer" / "tokenizer.json").read_bytes() == (
+                store_v / "tokenizer" / "tokenizer.json"
+            ).read_bytes()
     return per["tensorrt_llm"]
 
 
@@ -156,10 +173,17 @@ def test_kill_and_full_disk_leave_only_complete_versions(tmp_path, disk):
     # --- killed while converting, calibrating and compiling kernels, three builds at once (each one's staging
     # is locked while it runs, so none removes another's): nothing visible, only staging directories left
     cache = tmp_path / "cache"  # empty: the kernel compiler must really run
-    procs = [subprocess.Popen(build_cmd(_recipe(root, kernels=point == "kernels"), "--force"), cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "BPCOMPILE_FAULT_AT": point, "BPCOMPILE_CACHE": str(cache)})
-             for point in ("convert", "calibrate", "kernels")]
+    procs = [
+        subprocess.Popen(
+            build_cmd(_recipe(root, kernels=point == "kernels"), "--force"),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "BPCOMPILE_FAULT_AT": point, "BPCOMPILE_CACHE": str(cache)},
+        )
+        for point in ("convert", "calibrate", "kernels")
+    ]
     for p in procs:
         err = p.communicate(timeout=240)[1]
         assert p.returncode == -signal.SIGKILL, err[-3000:]

@@ -1,6 +1,7 @@
 """The Triton kernels (bpcompile/kernels/paged.py) against the PyTorch oracle (bpcompile/runtime/kvcache.py), on CPU in
 Triton's interpreter: quantize-and-append bit for bit, paged tree attention within float tolerance,
 the compaction move byte for byte. Small shapes, few program instances (the interpreter costs ~1 ms each)."""
+
 from __future__ import annotations
 
 import math
@@ -8,29 +9,38 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors run interpreted
 
-import pytest  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from bpcompile.compiler import aot, plugin  # noqa: E402
 from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
-from bpcompile.build import aot, plugin  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
-from bpcompile.runtime.kvcache import FP8, INT4, INT5, INT8  # noqa: E402
-from bpcompile.runtime.kvcache import KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402
+from bpcompile.runtime.kvcache import FP8, INT4, INT5, INT8, KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402  # noqa: E402
 
 L, KV, D = 2, 2, 64
 # every unit kind present: INT4 and FP8, an INT8 unit and INT5 units; K and V of one head may differ
 PRECISION = [{"k": ["int4", "fp8"], "v": ["fp8", "int4"]}, {"k": ["int8", "int5"], "v": ["int5", "int4"]}]
 
 
-def make_store(group_size: int, num_pages: int = 24, page_size: int = 16, seed: int = 0,
-               rotation: str = "none") -> QuantKVStore:
+def make_store(
+    group_size: int, num_pages: int = 24, page_size: int = 16, seed: int = 0, rotation: str = "none"
+) -> QuantKVStore:
     g = torch.Generator().manual_seed(seed)
-    plan = KVPlan("int4-fp8-outlier", L, KV, D, group_size, PRECISION,
-                  k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
-                  int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7, rotation=rotation,
-                  k_mean=torch.randn(L, KV, D, generator=g) if rotation == "hadamard" else None)
+    plan = KVPlan(
+        "int4-fp8-outlier",
+        L,
+        KV,
+        D,
+        group_size,
+        PRECISION,
+        k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
+        int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7,
+        rotation=rotation,
+        k_mean=torch.randn(L, KV, D, generator=g) if rotation == "hadamard" else None,
+    )
     return QuantKVStore(plan, num_pages, page_size)
 
 
@@ -67,7 +77,7 @@ def setup_batch(st, ctxs, trees, G, H, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     S, B = st.page_size, len(ctxs)
     pages_per_seq = st.num_pages // B
-    block_tables = torch.randperm(st.num_pages, generator=g)[:B * pages_per_seq].reshape(B, pages_per_seq).int()
+    block_tables = torch.randperm(st.num_pages, generator=g)[: B * pages_per_seq].reshape(B, pages_per_seq).int()
     for b in range(B):
         T = ctxs[b] + len(trees[b])
         assert T <= pages_per_seq * S
@@ -77,7 +87,7 @@ def setup_batch(st, ctxs, trees, G, H, dtype, seed=0):
             st.write(layer, slots, torch.randn(T, KV, D, generator=g) * 2, torch.randn(T, KV, D, generator=g))
     masks = torch.zeros(B, G, G, dtype=torch.bool)
     for b, parents in enumerate(trees):
-        masks[b, :len(parents), :len(parents)] = TM.tree_mask_from_parents(parents)
+        masks[b, : len(parents), : len(parents)] = TM.tree_mask_from_parents(parents)
     q = (torch.randn(B, G, H, D, generator=g) * 1.5).to(dtype)
     return q, block_tables, torch.tensor(ctxs), TM.pack_bool_mask(masks), torch.tensor([len(p) for p in trees])
 
@@ -86,8 +96,15 @@ def setup_batch(st, ctxs, trees, G, H, dtype, seed=0):
 # quantize-and-append
 
 
-@pytest.mark.parametrize("group_size,dtype,rotation", [(64, torch.float32, "none"), (32, torch.float16, "none"),
-                                                       (16, torch.bfloat16, "none"), (64, torch.float32, "hadamard")])
+@pytest.mark.parametrize(
+    "group_size,dtype,rotation",
+    [
+        (64, torch.float32, "none"),
+        (32, torch.float16, "none"),
+        (16, torch.bfloat16, "none"),
+        (64, torch.float32, "hadamard"),
+    ],
+)
 def test_quantize_append_is_bit_exact(group_size, dtype, rotation):
     ref, ker = make_store(group_size, rotation=rotation), make_store(group_size, rotation=rotation)
     g = torch.Generator().manual_seed(1)
@@ -110,10 +127,30 @@ def test_fp8_encoding_edge_values_match_torch():
     """x / s = x when the group's absmax is 448 (s = 1): the kernel's bit-level E4M3 encoder sees these values
     directly: RNE ties, subnormals, the saturation bound, signed zero."""
     st_ref, st_ker = make_store(64), make_store(64)
-    vals = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.0 ** -7, 3 * 2.0 ** -10, 2.0 ** -10, 5 * 2.0 ** -10,
-                         2.0 ** -6 - 2.0 ** -11, -0.0, 0.0, 240.0, 232.0, 0.0146484375, -447.9, 17.5, 18.5, 19.5])
+    vals = torch.tensor(
+        [
+            448.0,
+            1.0625,
+            1.1875,
+            -1.0625,
+            2.0**-7,
+            3 * 2.0**-10,
+            2.0**-10,
+            5 * 2.0**-10,
+            2.0**-6 - 2.0**-11,
+            -0.0,
+            0.0,
+            240.0,
+            232.0,
+            0.0146484375,
+            -447.9,
+            17.5,
+            18.5,
+            19.5,
+        ]
+    )
     x = torch.zeros(1, KV, D)
-    x[0, 1, :len(vals)] = vals  # layer 0 K head 1 is an FP8 unit
+    x[0, 1, : len(vals)] = vals  # layer 0 K head 1 is an FP8 unit
     x[0, 1, len(vals)] = 448.0
     x[0, 0] = 1.0
     one = torch.ones(L, KV, D)
@@ -124,7 +161,7 @@ def test_fp8_encoding_edge_values_match_torch():
     K.quantize_append(st_ker, 0, slot, x, x)
     assert same_bytes(st_ref, st_ker)
     idx = int(st_ref.unit_index[0, 0, 1])
-    codes = st_ker.payload[FP8][0, idx, 5, :len(vals)]
+    codes = st_ker.payload[FP8][0, idx, 5, : len(vals)]
     assert torch.equal(codes, vals.to(torch.float8_e4m3fn).view(torch.uint8))
     assert torch.equal(codes, encode_fp8_e4m3(vals))
 
@@ -147,22 +184,69 @@ def test_quantize_append_detects_a_wrong_clip():
 
 CASES = {
     # decode (G = 1), GQA 4:1, fp32, partial last pages, a sequence with no committed context
-    "decode-gqa4": dict(group_size=64, H=8, dtype=torch.float32, G=1, trees=[[-1]] * 3, ctxs=[37, 100, 0],
-                        splits=1, block_n=None, tol=1e-4),
+    "decode-gqa4": dict(
+        group_size=64,
+        H=8,
+        dtype=torch.float32,
+        G=1,
+        trees=[[-1]] * 3,
+        ctxs=[37, 100, 0],
+        splits=1,
+        block_n=None,
+        tol=1e-4,
+    ),
     # TRT-LLM's example tree and a branching tree, GQA 1:1, two context splits, 32-token tiles
-    "tree-gqa1-split": dict(group_size=32, H=2, dtype=torch.float32, G=10,
-                            trees=[TRTLLM_EXAMPLE, [-1, 0, 0, 1, 2, 1]], ctxs=[70, 21],
-                            splits=2, block_n=32, tol=1e-4),
+    "tree-gqa1-split": dict(
+        group_size=32,
+        H=2,
+        dtype=torch.float32,
+        G=10,
+        trees=[TRTLLM_EXAMPLE, [-1, 0, 0, 1, 2, 1]],
+        ctxs=[70, 21],
+        splits=2,
+        block_n=32,
+        tol=1e-4,
+    ),
     # a 40-token chain (two mask words, bit 31 set), fp16 queries, per-element scales (G < D/2), 3 splits
-    "chain40-fp16": dict(group_size=16, H=4, dtype=torch.float16, G=40, trees=[list(range(-1, 39)), [-1, 0, 1]],
-                         ctxs=[50, 9], splits=3, block_n=32, tol=2e-2),
+    "chain40-fp16": dict(
+        group_size=16,
+        H=4,
+        dtype=torch.float16,
+        G=40,
+        trees=[list(range(-1, 39)), [-1, 0, 1]],
+        ctxs=[50, 9],
+        splits=3,
+        block_n=32,
+        tol=2e-2,
+    ),
     # causal (tree_mask None), fewer real query rows than tree tokens in the second sequence
     # the rotated format (keys centered, channel-scaled, K and V Hadamard-rotated): the kernel attends in the
     # stored basis with a transformed query and rotates the output back
-    "rotated-tree-gqa2": dict(group_size=64, H=4, dtype=torch.float32, G=6, trees=[[-1, 0, 0, 1, 2, 1], [-1]],
-                              ctxs=[45, 17], splits=2, block_n=32, tol=1e-4, rotation="hadamard"),
-    "causal-qlens": dict(group_size=64, H=4, dtype=torch.float32, G=5, trees=[[-1, 0, 1, 2, 3], [-1, 0, 1, 2]],
-                         ctxs=[20, 33], splits=1, block_n=None, tol=1e-4, causal=True, q_lens=[5, 2]),
+    "rotated-tree-gqa2": dict(
+        group_size=64,
+        H=4,
+        dtype=torch.float32,
+        G=6,
+        trees=[[-1, 0, 0, 1, 2, 1], [-1]],
+        ctxs=[45, 17],
+        splits=2,
+        block_n=32,
+        tol=1e-4,
+        rotation="hadamard",
+    ),
+    "causal-qlens": dict(
+        group_size=64,
+        H=4,
+        dtype=torch.float32,
+        G=5,
+        trees=[[-1, 0, 1, 2, 3], [-1, 0, 1, 2]],
+        ctxs=[20, 33],
+        splits=1,
+        block_n=None,
+        tol=1e-4,
+        causal=True,
+        q_lens=[5, 2],
+    ),
 }
 
 
@@ -179,8 +263,9 @@ def run_case(c, perturb=None):
     errs = []
     for layer in range(L):
         ref = paged_attention_reference(q, st, layer, bt, ctx, tm, nt, scale, q_lens=ql)
-        out = K.paged_attention(q, kst, layer, bt, ctx, ktm, nt, scale, q_lens=ql, num_splits=c["splits"],
-                                block_n=c["block_n"])
+        out = K.paged_attention(
+            q, kst, layer, bt, ctx, ktm, nt, scale, q_lens=ql, num_splits=c["splits"], block_n=c["block_n"]
+        )
         assert out.shape == q.shape and out.dtype == q.dtype
         errs.append(attention_error(out, ref))
         G = c["G"]
@@ -277,19 +362,31 @@ def test_bench_gpu_cpu_smoke():
 
 
 def _recipe(page_size=16, group_size=64, arch="sm_90a"):
-    from bpcompile.build.recipe import Recipe
+    from bpcompile.compiler.recipe import Recipe
 
-    return Recipe(name="k", models={"verifier": {"path": "v"}, "draft": {"path": "d"}},
-                  kv_cache={"page_size": page_size, "group_size": group_size}, kernels={"arch": arch})
+    return Recipe(
+        name="k",
+        models={"verifier": {"path": "v"}, "draft": {"path": "d"}},
+        kv_cache={"page_size": page_size, "group_size": group_size},
+        kernels={"arch": arch},
+    )
 
 
 def _stage(tmp_path, head_size=64, heads=4, kv_heads=2):
     import json
 
     (tmp_path / "stage" / "verifier").mkdir(parents=True)
-    (tmp_path / "stage" / "verifier" / "config.json").write_text(json.dumps(
-        {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_size": head_size,
-         "hidden_size": heads * head_size, "dtype": "float16"}))
+    (tmp_path / "stage" / "verifier" / "config.json").write_text(
+        json.dumps(
+            {
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
+                "head_size": head_size,
+                "hidden_size": heads * head_size,
+                "dtype": "float16",
+            }
+        )
+    )
     return tmp_path / "stage"
 
 
@@ -305,8 +402,13 @@ def test_compile_engine_kernels_sm90a(tmp_path, monkeypatch):
     kj = json.loads((out / "kernels.json").read_text())
     assert kj["arch"] == "sm_90a" and kj["triton_version"] and kj["model"]["head_size"] == 64
     names = {k["name"] for k in kj["kernels"]}
-    assert {"bp_quantize_append_fp16", "bp_paged_attention_decode_fp16", "bp_paged_attention_tree_split_fp16",
-            "bp_combine_splits_fp16", "bp_copy_rows_fp16"} <= names
+    assert {
+        "bp_quantize_append_fp16",
+        "bp_paged_attention_decode_fp16",
+        "bp_paged_attention_tree_split_fp16",
+        "bp_combine_splits_fp16",
+        "bp_copy_rows_fp16",
+    } <= names
     for k in kj["kernels"]:
         for f in k["files"].values():
             assert hashlib.sha256((out / f["path"]).read_bytes()).hexdigest() == f["sha256"]
@@ -354,8 +456,20 @@ def test_trt_plugin_source_compiles_strictly(tmp_path):
     kdir = tmp_path / "kernels"
     res = aot.compile_engine_kernels(_stage(tmp_path), _recipe(), kdir)
     assert res["status"] == "compiled"
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-isystem", str(Path(root) / "include"),
-           "-isystem", str(cuda), f"-I{kdir}", str(plugin.PLUGIN_SRC / "src" / "bpcompile_plugins.cpp")]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-fsyntax-only",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-isystem",
+        str(Path(root) / "include"),
+        "-isystem",
+        str(cuda),
+        f"-I{kdir}",
+        str(plugin.PLUGIN_SRC / "src" / "bpcompile_plugins.cpp"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
 

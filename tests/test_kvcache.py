@@ -1,21 +1,50 @@
 """The KV format's oracle (docs/KV_FORMAT.md): bit patterns, error bounds, store layout, move(), bytes."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from bpcompile.core.errors import UserError
-from bpcompile.runtime.kvcache import FP8, INT3, INT4, INT6, INT8  # noqa: E402
-from bpcompile.runtime.kvcache import (FloatKVStore, KVPlan, QuantKVStore, decode_fp8_e4m3, dequantize_fp8,
-                               dequantize_int3, dequantize_int4, dequantize_int5, dequantize_int6, dequantize_int8,
-                               encode_fp8_e4m3, fake_quantize, kv_store_factory, make_kv_store, pack_int3, pack_int4,
-                               pack_int5, pack_int6, quantize_fp8, quantize_int3, quantize_int4, quantize_int5,
-                               quantize_int6, quantize_int8, unpack_int3, unpack_int4, unpack_int5, unpack_int6)
+from bpcompile.runtime.kvcache import (  # noqa: E402
+    FP8,
+    INT3,
+    INT6,
+    FloatKVStore,
+    KVPlan,
+    QuantKVStore,
+    decode_fp8_e4m3,
+    dequantize_fp8,
+    dequantize_int3,
+    dequantize_int4,
+    dequantize_int5,
+    dequantize_int6,
+    dequantize_int8,
+    encode_fp8_e4m3,
+    fake_quantize,
+    kv_store_factory,
+    make_kv_store,
+    pack_int3,
+    pack_int4,
+    pack_int5,
+    pack_int6,
+    quantize_fp8,
+    quantize_int3,
+    quantize_int4,
+    quantize_int5,
+    quantize_int6,
+    quantize_int8,
+    unpack_int3,
+    unpack_int4,
+    unpack_int5,
+    unpack_int6,
+)
 from bpcompile.runtime.model import ModelConfig
 
 # the shipped tiny verifier's shape: 4 layers x 2 KV heads x head 64
-TINY = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_size=64,
-                   intermediate_size=512)
+TINY = ModelConfig(
+    vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_size=64, intermediate_size=512
+)
 
 
 def test_int4_nibble_order_half_split():
@@ -51,7 +80,7 @@ def test_int4_codes_and_error_bound():
     err = (y - x).abs().reshape(64, 3, 2, 32)
     amax = x.abs().reshape(64, 3, 2, 32).amax(-1, keepdim=True)
     # half a step, plus what rounding the scale to fp16 can push past the clamp at ±7
-    assert (err <= s.float()[..., None] / 2 + amax * 2 ** -10).all()
+    assert (err <= s.float()[..., None] / 2 + amax * 2**-10).all()
     # the plain bound holds away from the group maximum
     inner = x.abs().reshape(64, 3, 2, 32) < 0.9 * amax
     assert (err[inner] <= (s.float()[..., None] / 2 * (1 + 1e-6)).expand_as(err)[inner]).all()
@@ -154,9 +183,17 @@ def _e4m3_probe_values() -> torch.Tensor:
     mids = (v[1:] + v[:-1]) / 2  # exact ties
     big, small = torch.tensor(1e9), torch.tensor(-1e9)
     g = torch.Generator().manual_seed(0)
-    return torch.cat([v, mids, torch.nextafter(mids, big), torch.nextafter(mids, small),
-                      torch.randn(20000, generator=g) * 100, torch.randn(20000, generator=g) * 1e-2,
-                      torch.tensor([0.0, -0.0, 1e-12, -1e-12, 447.9, 448.0, 460.0, 1e6, -1e6])])
+    return torch.cat(
+        [
+            v,
+            mids,
+            torch.nextafter(mids, big),
+            torch.nextafter(mids, small),
+            torch.randn(20000, generator=g) * 100,
+            torch.randn(20000, generator=g) * 1e-2,
+            torch.tensor([0.0, -0.0, 1e-12, -1e-12, 447.9, 448.0, 460.0, 1e6, -1e6]),
+        ]
+    )
 
 
 def test_fp8_encode_matches_torch_bit_for_bit():
@@ -179,8 +216,8 @@ def test_fp8_relative_error_in_normal_range():
     x = torch.randn(500, 64, generator=g) * torch.logspace(-2, 2, 500)[:, None]
     codes, s = quantize_fp8(x, 64)
     y = dequantize_fp8(codes, s, 64)
-    normal = (x / s.float()).abs() >= 2 ** -6
-    assert ((y - x).abs() <= 2 ** -4 * x.abs() * (1 + 1e-5))[normal].all()
+    normal = (x / s.float()).abs() >= 2**-6
+    assert ((y - x).abs() <= 2**-4 * x.abs() * (1 + 1e-5))[normal].all()
 
 
 def test_int8_error_bound():
@@ -189,14 +226,16 @@ def test_int8_error_bound():
     q, s = quantize_int8(x, 16)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     err = (dequantize_int8(q, s, 16) - x).abs().reshape(200, 4, 16)
-    assert (err <= s.float()[..., None] / 2 + x.abs().reshape(200, 4, 16).amax(-1, keepdim=True) * 2 ** -10).all()
+    assert (err <= s.float()[..., None] / 2 + x.abs().reshape(200, 4, 16).amax(-1, keepdim=True) * 2**-10).all()
 
 
 def mixed_plan(cfg=TINY, group_size=32) -> KVPlan:
     """Every precision present, channel scales and clip ratios not 1: the whole write/read path."""
     L, KV, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_size
-    prec = [{"k": ["fp8", "int4"], "v": ["int4", "int8"]} if l % 2 else {"k": ["int4", "int4"], "v": ["int4", "fp8"]}
-            for l in range(L)]
+    prec = [
+        {"k": ["fp8", "int4"], "v": ["int4", "int8"]} if l % 2 else {"k": ["int4", "int4"], "v": ["int4", "fp8"]}
+        for l in range(L)
+    ]
     prec[2] = {"k": ["int6", "int5"], "v": ["int3", "int4"]}
     g = torch.Generator().manual_seed(3)
     kcs = torch.rand(L, KV, D, generator=g) * 4 + 0.25
@@ -233,6 +272,7 @@ def test_all_layer_writes_equal_layer_by_layer_writes(rotation):
     """write_layers / write_read_layers (one encode per precision for a whole forward) store the same bytes and
     return the same values as write / write_read layer by layer; a float store too."""
     from dataclasses import replace
+
     g = torch.Generator().manual_seed(6)
     L = TINY.num_layers
     plan = replace(mixed_plan(), rotation=rotation, k_mean=torch.randn(L, 2, 64, generator=g))
@@ -244,7 +284,9 @@ def test_all_layer_writes_equal_layer_by_layer_writes(rotation):
     kd, vd = decoded.write_read_layers(slots, k, v)
     for a, b, c in zip(one.pools(), every.pools(), decoded.pools()):
         assert torch.equal(a, b) and torch.equal(a, c)
-    assert torch.equal(kd, torch.stack([x for x, _ in per_layer])) and torch.equal(vd, torch.stack([y for _, y in per_layer]))
+    assert torch.equal(kd, torch.stack([x for x, _ in per_layer])) and torch.equal(
+        vd, torch.stack([y for _, y in per_layer])
+    )
     f_one, f_every = (FloatKVStore(L, 2, 64, num_pages=4, page_size=8, dtype=torch.float16) for _ in range(2))
     for layer in range(L):
         f_one.write(layer, slots, k[layer], v[layer])
@@ -260,9 +302,14 @@ def test_all_layer_writes_equal_layer_by_layer_writes_with_klt_units():
     from bpcompile.runtime.kvcache import QuantKVStore
 
     plan, _ = klt_plan(L=3, KV=2, D=16, seed=3)
-    plan = replace(plan, precision=[{"k": ["klt4", "klt4"], "v": ["int4", "int3"]},
-                                    {"k": ["int4", "int4"], "v": ["int4", "int4"]},
-                                    {"k": ["int5", "klt4"], "v": ["int3", "int4"]}])
+    plan = replace(
+        plan,
+        precision=[
+            {"k": ["klt4", "klt4"], "v": ["int4", "int3"]},
+            {"k": ["int4", "int4"], "v": ["int4", "int4"]},
+            {"k": ["int5", "klt4"], "v": ["int3", "int4"]},
+        ],
+    )
     g = torch.Generator().manual_seed(8)
     slots, pos = torch.tensor([3, 17, 9, 30]), torch.tensor([5, 40, 7, 1000])
     k, v = torch.randn(3, 4, 2, 16, generator=g) * 3, torch.randn(3, 4, 2, 16, generator=g)
@@ -273,7 +320,9 @@ def test_all_layer_writes_equal_layer_by_layer_writes_with_klt_units():
     for a, b, c in zip(one.pools(), every.pools(), decoded.pools()):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert torch.equal(one.positions, every.positions) and torch.equal(one.positions, decoded.positions)
-    assert torch.equal(kd, torch.stack([x for x, _ in per_layer])) and torch.equal(vd, torch.stack([y for _, y in per_layer]))
+    assert torch.equal(kd, torch.stack([x for x, _ in per_layer])) and torch.equal(
+        vd, torch.stack([y for _, y in per_layer])
+    )
     assert all(torch.equal(every.read(layer, slots)[0], kd[layer]) for layer in range(3))
 
 
@@ -385,16 +434,22 @@ def test_exact_entries_are_saved_validated_and_counted(tmp_path):
 
 # ------------------------------------------------------------------------------------------- KLT keys
 
+
 def klt_plan(L=2, KV=2, D=16, seed=0, scale=1.0):
     """A plan whose keys are KLT4 units with a random well-conditioned basis (values INT4)."""
-    from bpcompile.build.calibrate import water_filling_bits
+    from bpcompile.compiler.calibrate import water_filling_bits
 
     g = torch.Generator().manual_seed(seed)
-    t = {"mean": torch.randn(L, KV, D, generator=g) * 0.1, "bits": torch.zeros(L, KV, D, dtype=torch.int8),
-         "weight": torch.rand(L, KV, D, generator=g) + 0.5, "step": torch.zeros(L, KV, D), "level": torch.zeros(L, KV, D),
-         "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)),
-         "basis": torch.zeros(L, KV, D, D, dtype=torch.float16)}
-    lam = torch.logspace(2, -3, D) * scale ** 2  # coefficient variances: a few large, many small (as keys)
+    t = {
+        "mean": torch.randn(L, KV, D, generator=g) * 0.1,
+        "bits": torch.zeros(L, KV, D, dtype=torch.int8),
+        "weight": torch.rand(L, KV, D, generator=g) + 0.5,
+        "step": torch.zeros(L, KV, D),
+        "level": torch.zeros(L, KV, D),
+        "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)),
+        "basis": torch.zeros(L, KV, D, D, dtype=torch.float16),
+    }
+    lam = torch.logspace(2, -3, D) * scale**2  # coefficient variances: a few large, many small (as keys)
     for layer in range(L):
         for h in range(KV):
             Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
@@ -432,7 +487,7 @@ def test_klt_codec_packs_coefficients_bit_by_bit_and_round_trips():
         else:
             expect.append(0)
     stream = [(n >> j) & 1 for n, b in zip(expect, bits[0].tolist()) for j in range(b)]
-    assert payload[0, 0].tolist() == [sum(bit << j for j, bit in enumerate(stream[k:k + 8])) for k in range(0, 32, 8)]
+    assert payload[0, 0].tolist() == [sum(bit << j for j, bit in enumerate(stream[k : k + 8])) for k in range(0, 32, 8)]
     assert torch.equal(decode_klt(payload, s, bits, step, level, coef, shift, u), dec)
     wide = bits[0] >= 2
     assert ((dec - z)[0, 0, wide].abs() <= t[wide] / 2 + 1e-6).all()  # no coefficient clipped here
@@ -462,8 +517,10 @@ def test_klt_store_quantizes_keys_before_rope_and_reapplies_it():
     basis = plan.klt["basis"].float()
     for layer in range(L):  # keys with those coefficient variances: z = ((pre - mean) * weight) @ basis
         coeffs = torch.randn(3, KV, D, generator=g) * lam.sqrt().float()
-        pre = torch.einsum("nhe,hed->nhd", coeffs, torch.linalg.inv(basis[layer])) / plan.klt["weight"][layer] \
+        pre = (
+            torch.einsum("nhe,hed->nhd", coeffs, torch.linalg.inv(basis[layer])) / plan.klt["weight"][layer]
             + plan.klt["mean"][layer]
+        )
         pos = torch.tensor([5, 900, 3000])
         k = rope_rotate(pre, pos, inv, 1.0)
         v = torch.randn(3, KV, D, generator=g)
@@ -475,7 +532,9 @@ def test_klt_store_quantizes_keys_before_rope_and_reapplies_it():
         int4 = fake_quantize(k, "int4", D, rotate=True)
         assert (kr - k).norm() < 0.6 * (int4 - k).norm()
         # the same key before RoPE at another position: read back rotated there
-        store.write(layer, torch.tensor([7]), rope_rotate(pre[:1], torch.tensor([77]), inv, 1.0), v[:1], torch.tensor([77]))
+        store.write(
+            layer, torch.tensor([7]), rope_rotate(pre[:1], torch.tensor([77]), inv, 1.0), v[:1], torch.tensor([77])
+        )
         k7, _ = store.read(layer, torch.tensor([7]))
         assert (rope_rotate(k7, torch.tensor([77]), inv, -1.0) - pre[:1]).norm() < 0.15 * pre[:1].norm()
     # move: the destination reads what an in-order write there reads (bytes and positions)
@@ -483,8 +542,11 @@ def test_klt_store_quantizes_keys_before_rope_and_reapplies_it():
     k = torch.randn(2, KV, D, generator=g)
     for s_ in (store, other):
         for layer in range(L):
-            (s_.write(layer, torch.tensor([20, 21]), k, k, torch.tensor([40, 41])) if s_ is store
-             else s_.write(layer, torch.tensor([12, 13]), k, k, torch.tensor([40, 41])))
+            (
+                s_.write(layer, torch.tensor([20, 21]), k, k, torch.tensor([40, 41]))
+                if s_ is store
+                else s_.write(layer, torch.tensor([12, 13]), k, k, torch.tensor([40, 41]))
+            )
     store.move(torch.tensor([20, 21]), torch.tensor([12, 13]))
     for layer in range(L):
         for x, y in zip(store.read(layer, torch.tensor([12, 13])), other.read(layer, torch.tensor([12, 13]))):
@@ -521,14 +583,16 @@ def test_allocated_compression_counts_tables_once_per_pool_and_windows_per_seque
 
     from bpcompile.runtime.paged_kv import allocated_compression
 
-    cfg = ModelConfig(vocab_size=8, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, head_size=16,
-                      intermediate_size=8)
+    cfg = ModelConfig(
+        vocab_size=8, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, head_size=16, intermediate_size=8
+    )
     plan, _ = klt_plan()
     int4 = replace(plan, precision=[{"k": ["int4"] * 2, "v": ["int4"] * 2}] * 2, klt=None)
     windowed = replace(int4, recent_window=8)
 
     def gain(p):  # compression in a pool of 8 sequences over that at one
         return allocated_compression(p, cfg, 256, 6, sequences=8) / allocated_compression(p, cfg, 256, 6)
+
     assert allocated_compression(plan, cfg, 256, 6, sequences=8) < allocated_compression(int4, cfg, 256, 6, sequences=8)
     assert gain(plan) > gain(int4) * 1.05  # the D x D tables, once per pool
     assert gain(windowed) == pytest.approx(gain(int4), rel=0.02)  # a window ring per sequence: no gain of its own

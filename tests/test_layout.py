@@ -1,5 +1,6 @@
-"""The package map in the README is the import rule: a module imports only from its own package or from
+"""The package map in docs/ARCHITECTURE.md is the import rule: a module imports only from its own package or from
 packages below it in the map (function-level imports too), and no module imports itself back through others."""
+
 from __future__ import annotations
 
 import ast
@@ -9,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_layers(readme: Path = ROOT / "README.md") -> dict[str, int]:
-    """Package -> height (0 = bottom) from the README's map block (first column, top row highest)."""
-    block = readme.read_text().split("## Where the code lives", 1)[1].split("```", 2)[1]
+def map_layers(doc: Path = ROOT / "docs" / "ARCHITECTURE.md") -> dict[str, int]:
+    """Package -> height (0 = bottom) from the architecture page's map block (first column, top row highest)."""
+    block = doc.read_text().split("## Package map", 1)[1].split("```", 2)[1]
     rows = [ln for ln in block.splitlines()[2:] if ln and not ln.startswith(" ")]
     names = [re.split(r"\s{2,}", ln)[0].split(", ") for ln in rows]
     return {n: len(names) - 1 - i for i, group in enumerate(names) for n in group}
@@ -72,7 +73,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state and (found := visit(d)):
                 return found
         stack.pop()
@@ -85,18 +86,18 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_readme_map_covers_every_package():
-    layers = readme_layers()
+def test_map_covers_every_package():
+    layers = map_layers()
     pkg = ROOT / "bpcompile"
     present = {package(m) for m in import_graph(pkg)} - {""}
-    assert present <= set(layers), f"packages missing from the README map: {sorted(present - set(layers))}"
-    assert {"core", "kernels", "runtime", "serving", "build", "eval", "cli"} <= set(layers)
-    assert layers["core"] == 0 and layers["runtime"] < layers["serving"] < layers["build"] < layers["cli"]
+    assert present <= set(layers), f"packages missing from the map: {sorted(present - set(layers))}"
+    assert {"core", "kernels", "runtime", "serving", "compiler", "eval", "cli"} <= set(layers)
+    assert layers["core"] == 0 and layers["runtime"] < layers["serving"] < layers["compiler"] < layers["cli"]
 
 
 def test_imports_follow_the_map():
-    bad = violations(ROOT / "bpcompile", readme_layers())
-    assert not bad, "imports against the README's package map:\n" + "\n".join(bad)
+    bad = violations(ROOT / "bpcompile", map_layers())
+    assert not bad, "imports against the package map:\n" + "\n".join(bad)
 
 
 def test_no_import_cycles():

@@ -2,6 +2,7 @@
 holding the plugin nodes with the C++ creators' fields, and run by ONNX Runtime (the custom ops as
 onnxruntime-extensions Python ops) to the same greedy tokens as the torch executor, speculation on, for the
 engine's calibrated INT4/FP8 plan and for an FP16 cache. `target: tensorrt` without TensorRT refuses (exit 2)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ pytest.importorskip("onnxruntime_extensions")
 
 import torch  # noqa: E402
 
-from bpcompile.build.onnx_export import export_generator  # noqa: E402
 from bpcompile.cli import main  # noqa: E402
+from bpcompile.compiler.onnx_export import export_generator  # noqa: E402
 from bpcompile.runtime import plugin_ops as ops  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams  # noqa: E402
 from bpcompile.runtime.kvcache import KVPlan, kv_store_factory  # noqa: E402
@@ -27,17 +28,21 @@ from bpcompile.runtime.speculative import TreeSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
-CPP = REPO / "bpcompile" / "plugins" / "trt" / "src" / "bpcompile_plugins.cpp"
+CPP = REPO / "plugins" / "trt" / "src" / "bpcompile_plugins.cpp"
 
 
 def tiny_recipe(d: Path, **extra: str) -> Path:
     text = (REPO / "recipes" / "tiny.yaml").read_text().replace("../models/tiny", str(TINY))
     text = text.replace("store: ../engines", f"store: {d / 'engines'}").replace(
-        "triton_repo: ../triton_repo", f"triton_repo: {d / 'triton_repo'}")
+        "triton_repo: ../triton_repo", f"triton_repo: {d / 'triton_repo'}"
+    )
     text = text.replace("triton: {emit: true", "triton: {emit: false").replace("compile: true", "compile: false")
     for k, v in extra.items():
-        text = re.sub(rf"^{k}:.*$", f"{k}: {v}", text, flags=re.M) if re.search(rf"^{k}:", text, re.M) \
+        text = (
+            re.sub(rf"^{k}:.*$", f"{k}: {v}", text, flags=re.M)
+            if re.search(rf"^{k}:", text, re.M)
             else text + f"{k}: {v}\n"
+        )
     (d / "tiny.yaml").write_text(text)
     return d / "tiny.yaml"
 
@@ -59,8 +64,10 @@ def cpp_creators() -> dict[str, tuple[str, ...]]:
     """Plugin name -> its creator's fields, as the C++ declares them (field lists, plus sm_scale when the
     creator is made with scale = true)."""
     src = CPP.read_text()
-    lists = {m[1]: tuple(re.findall(r'"(\w+)"', m[2]))
-             for m in re.finditer(r"std::vector<std::string> const (\w+)\s*=\s*\{([^}]*)\}", src)}
+    lists = {
+        m[1]: tuple(re.findall(r'"(\w+)"', m[2]))
+        for m in re.finditer(r"std::vector<std::string> const (\w+)\s*=\s*\{([^}]*)\}", src)
+    }
     out = {}
     for name, fields, scale in re.findall(r'Creator<\w+> \w+\("(\w+)", (\w+), (true|false)\)', src):
         out[name] = lists[fields] + (("sm_scale",) if scale == "true" else ())
@@ -112,10 +119,28 @@ def generators(engine: Path, executor_graphs: Path, fp16: bool):
     return ref, Generator(v, d, tree, executor="onnxruntime", graphs=executor_graphs, **kw)
 
 
-PROMPTS = ["The import statement", "def fibonacci(n):", "Exceptions are raised when", "A class is", "for x in",
-           "The with statement", "Lists are mutable", "print(", "Modules can be", "try:", "import os", "while True",
-           "Dictionaries map", "The yield keyword", "Strings are", "return None", "lambda x:", "class Foo:",
-           "Integers and floats", "The global statement"]
+PROMPTS = [
+    "The import statement",
+    "def fibonacci(n):",
+    "Exceptions are raised when",
+    "A class is",
+    "for x in",
+    "The with statement",
+    "Lists are mutable",
+    "print(",
+    "Modules can be",
+    "try:",
+    "import os",
+    "while True",
+    "Dictionaries map",
+    "The yield keyword",
+    "Strings are",
+    "return None",
+    "lambda x:",
+    "class Foo:",
+    "Integers and floats",
+    "The global statement",
+]
 
 
 @pytest.mark.slow
@@ -181,8 +206,10 @@ def test_triton_generator_runs_the_graphs(engine, tmp_path):
     shutil.copytree(engine, copy)
     update_engine_config(copy, runtime={"executor": "onnxruntime", "onnx": True})
     emit_repository([(1, copy)], tmp_path / "repo")
-    res = CliRunner().invoke(main, ["generate", str(copy), "--prompt", PROMPTS[0], "--max-tokens", "6", "--raw",
-                                    "--executor", "torch", "--json"])
+    res = CliRunner().invoke(
+        main,
+        ["generate", str(copy), "--prompt", PROMPTS[0], "--max-tokens", "6", "--raw", "--executor", "torch", "--json"],
+    )
     assert res.exit_code == 0, res.output
     with ServerProcess(tmp_path / "repo", log_file=tmp_path / "server.log", startup_timeout=240) as s:
         got = generate_remote(s.grpc_url, PROMPTS[0], 6)

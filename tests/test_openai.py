@@ -3,6 +3,7 @@ as `bpcompile generate` (greedy) through /v1/completions and /v1/chat/completion
 `usage`, and malformed requests answered 400/404 with the endpoint staying healthy. The server serves a copy of
 the emitted repository whose original is gone and whose engine version has moved: a repository is
 self-contained."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,10 @@ pytestmark = pytest.mark.server
 
 # A user-supplied chat template for the tiny pair (it ships none), written into the engine's tokenizer config:
 # generate and the endpoint both render it through transformers.
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 PROMPTS = ["The import statement", "Exceptions are raised when"]
 N = 16
 
@@ -83,8 +86,16 @@ def test_completions_equal_generate(api, engine, stream):
     for p in PROMPTS:
         want = reference(engine, p, chat=False)
         if stream:
-            chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}))
+            chunks = list(
+                client.completions.create(
+                    model="tiny",
+                    prompt=p,
+                    max_tokens=N,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
             usage = chunks[-1].usage
@@ -105,8 +116,9 @@ def test_chat_completions_equal_generate(api, engine, stream):
         want = reference(engine, p, chat=True)
         msgs = [{"role": "user", "content": p}]
         if stream:
-            chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, temperature=0,
-                                                         stream=True))
+            chunks = list(
+                client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, temperature=0, stream=True)
+            )
             assert chunks[0].choices[0].delta.role == "assistant"
             text = "".join(c.choices[0].delta.content or "" for c in chunks)
         else:
@@ -131,7 +143,7 @@ def test_stop_strings_end_and_are_cut(api, engine, stream):
     else:
         r = client.completions.create(**kw)
         text, finish = r.choices[0].text, r.choices[0].finish_reason
-    assert text == want[:want.find(stop)] and finish == "stop"
+    assert text == want[: want.find(stop)] and finish == "stop"
 
 
 def test_malformed_requests_get_400_and_the_endpoint_stays_healthy(api):
@@ -143,7 +155,7 @@ def test_malformed_requests_get_400_and_the_endpoint_stays_healthy(api):
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=4)
     assert "role" in str(e.value)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="x", max_tokens=10 ** 6)
+        client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=4, n=3)
     assert "n is not supported" in str(e.value)
@@ -152,8 +164,9 @@ def test_malformed_requests_get_400_and_the_endpoint_stays_healthy(api):
     assert "bytes" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=4)
-    req = urllib.request.Request(front.url + "/completions", data=b"{not json", method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        front.url + "/completions", data=b"{not json", method="POST", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "JSON" in json.loads(e.value.read())["error"]["message"]
@@ -168,8 +181,25 @@ def test_bench_against_the_openai_endpoint_with_a_plot(api, tmp_path):
     tokens asked for, percentiles present, and the PNG is drawn."""
     _, front = api
     png = tmp_path / "sweep.png"
-    res = CliRunner().invoke(main, ["bench", "--url", front.url, "--protocol", "openai", "-n", "4", "--max-tokens",
-                                    "8", "--concurrency", "1,2", "--plot", str(png), "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--url",
+            front.url,
+            "--protocol",
+            "openai",
+            "-n",
+            "4",
+            "--max-tokens",
+            "8",
+            "--concurrency",
+            "1,2",
+            "--plot",
+            str(png),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     levels = json.loads(res.stdout)["levels"]
     assert [r["concurrency"] for r in levels] == [1, 2]

@@ -3,21 +3,27 @@
 This is the executable proof that conversion (names, fused qkv, splits, KV duplication, vocab padding,
 pp layer ranges, config fields) is right: any misplaced tensor moves the logits far beyond 1e-4.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-
-from bpcompile.build.convert import convert_checkpoint
-from bpcompile.build.hf import tokenizers_equal
-from bpcompile.runtime.model import Llama
 from conftest import TINY, make_hf_model
 
+from bpcompile.compiler.convert import convert_checkpoint
+from bpcompile.compiler.hf import tokenizers_equal
+from bpcompile.runtime.model import Llama
+
 TOL = 1e-4
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def hf_logits(hf_dir, tokens, positions):
@@ -42,10 +48,10 @@ def compare(hf_dir, out_dir, tp, pp, T=24, start=0, seed=0):
 
 CASES = {
     # name: (arch, config overrides, tp, pp, first position)
-    "gqa-tp2-pp2": ("llama", {}, 2, 2, 0),                        # 3 layers over 2 stages: 2 + 1
+    "gqa-tp2-pp2": ("llama", {}, 2, 2, 0),  # 3 layers over 2 stages: 2 + 1
     "mha-tp4": ("llama", {"num_key_value_heads": 4}, 4, 1, 0),
     "tied-vocab-pad-tp2-pp2": ("llama", {"tie_word_embeddings": True}, 2, 2, 0),  # vocab 97 padded to 98
-    "head-dim-32-tp2": ("llama", {"head_dim": 32}, 2, 1, 0),     # head_dim != hidden / heads (16)
+    "head-dim-32-tp2": ("llama", {"head_dim": 32}, 2, 1, 0),  # head_dim != hidden / heads (16)
     "llama3-rope-kvdup-tp4": ("llama", {"rope_scaling": LLAMA3}, 4, 1, 100),  # 2 KV heads over 4 ranks
     "bias-tp2-pp2": ("llama", {"attention_bias": True, "mlp_bias": True}, 2, 2, 0),
     "mistral-tp1": ("mistral", {}, 1, 1, 0),
@@ -99,7 +105,7 @@ def test_bf16_greedy_matches_transformers_up_to_ties(tmp_path):
     one bf16 ulp (a tie that rounding decides), and most prompts do not differ at all."""
     from tokenizers import Tokenizer
 
-    from bpcompile.build.corpus import heldout_prompts
+    from bpcompile.compiler.corpus import heldout_prompts
     from bpcompile.eval.hf_parity import check_near_ties, greedy_parity
     from bpcompile.runtime.speculative import TreeSpec
 
@@ -110,7 +116,13 @@ def test_bf16_greedy_matches_transformers_up_to_ties(tmp_path):
         convert_checkpoint(TINY / which, tmp_path / which)
         models[which] = Llama.from_checkpoint(tmp_path / which, dtype=torch.bfloat16)
     prompts = heldout_prompts(Tokenizer.from_file(str(TINY / "verifier" / "tokenizer.json")), 16, 16)
-    report = greedy_parity(TINY / "verifier", models["verifier"], models["draft"], prompts, 32,
-                           {"verifier only": TreeSpec("none"), "dynamic tree": TreeSpec("dynamic", nodes=5)})
+    report = greedy_parity(
+        TINY / "verifier",
+        models["verifier"],
+        models["draft"],
+        prompts,
+        32,
+        {"verifier only": TreeSpec("none"), "dynamic tree": TreeSpec("dynamic", nodes=5)},
+    )
     assert not check_near_ties(report, max_ulps=1.0, max_share=0.25), report
     assert report["dynamic tree"]["divergences"] == report["verifier only"]["divergences"]

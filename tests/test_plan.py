@@ -1,5 +1,6 @@
 """`bpcompile plan`: the per-GPU memory plan, checked against figures computed by hand (in the comments) for a
 small GQA config and a Llama-3.1-70B-shaped one, and the command's exits."""
+
 from __future__ import annotations
 
 import json
@@ -8,32 +9,62 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from bpcompile.build.plan import DEVICES, plan
-from bpcompile.build.recipe import Recipe
 from bpcompile.cli import main
+from bpcompile.compiler.plan import DEVICES, plan
+from bpcompile.compiler.recipe import Recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
-L70 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
-       "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
-       "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-       "tie_word_embeddings": False, "hidden_act": "silu"}
-L1B = {**L70, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-       "head_dim": 64, "tie_word_embeddings": True}
+L70 = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+L1B = {
+    **L70,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
 
 
 def _spec(raw: dict) -> dict:
     """The normalized config read_hf_config gives, for the keys the plan reads."""
-    return {"hidden_size": raw["hidden_size"], "intermediate_size": raw["intermediate_size"],
-            "num_hidden_layers": raw["num_hidden_layers"], "num_attention_heads": raw["num_attention_heads"],
-            "num_key_value_heads": raw["num_key_value_heads"], "vocab_size": raw["vocab_size"],
-            "head_dim": raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]),
-            "dtype": raw["torch_dtype"], "qkv_bias": False, "o_bias": False, "mlp_bias": False}
+    return {
+        "hidden_size": raw["hidden_size"],
+        "intermediate_size": raw["intermediate_size"],
+        "num_hidden_layers": raw["num_hidden_layers"],
+        "num_attention_heads": raw["num_attention_heads"],
+        "num_key_value_heads": raw["num_key_value_heads"],
+        "vocab_size": raw["vocab_size"],
+        "head_dim": raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]),
+        "dtype": raw["torch_dtype"],
+        "qkv_bias": False,
+        "o_bias": False,
+        "mlp_bias": False,
+    }
 
 
 def test_70b_recipe_at_tp8_on_h200():
-    r = Recipe.model_validate({**_recipe_70b(), "models": {"verifier": {"path": "v", "dtype": "bfloat16"},
-                                                           "draft": {"path": "d", "dtype": "bfloat16"}}})
+    r = Recipe.model_validate(
+        {
+            **_recipe_70b(),
+            "models": {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}},
+        }
+    )
     p = plan(r, _spec(L70), _spec(L1B), DEVICES["h200"])
     # verifier params on one of 8 ranks: embedding replicated 128256*8192 = 1,050,673,152; lm_head split
     # 16032*8192 = 131,334,144; ln_f 8192; per layer 2*8192 (norms) + (1024 + 2*128)*8192 (q, k, v: 8 query heads
@@ -53,15 +84,19 @@ def test_70b_recipe_at_tp8_on_h200():
     assert p["fits"] and p["tp"] == 8
     # batch 1 at 16384 tokens reads the verifier shard and one sequence's KV: 4.8e12 / (2*verifier + 16384*11376)
     assert p["projected_decode_tokens_per_s"]["batch_1_at_max_seq_len"] == pytest.approx(
-        4.8e12 / (2 * verifier + 16384 * 11376))
-
+        4.8e12 / (2 * verifier + 16384 * 11376)
+    )
 
 
 def test_feature_draft_counts_only_its_own_weights():
     """A FeatureDraft reads the verifier's embedding (and head, without a vocab_subset): its weights are fc, its
     layers and its own head rows, nothing of a vocabulary-sized embedding."""
-    r = Recipe.model_validate({**_recipe_70b(), "models": {"verifier": {"path": "v", "dtype": "bfloat16"},
-                                                           "draft": {"path": "d", "dtype": "bfloat16"}}})
+    r = Recipe.model_validate(
+        {
+            **_recipe_70b(),
+            "models": {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}},
+        }
+    )
     v = _spec(L70)
     fd = dict(v, architecture="FeatureDraft", num_hidden_layers=1, intermediate_size=8192, head_rows=32000)
     alone = plan(r, v, None, DEVICES["h200"])["weights_bytes"]
@@ -83,41 +118,83 @@ def test_exact_entries_add_their_copies_per_sequence():
     assert p1["kv_bytes"] - p0["kv_bytes"] == 64 * 80 * 1 * 2 * 128 * 2 * (1 + 16 + 6)
     # with exact entries retrieval_fraction's auto is 0.015: round(19.2) = 19 of the 1280 units' keys in INT8
     # instead of INT4, 64 more payload bytes each per token, an eighth of them on this rank
-    p2 = plan(Recipe.model_validate({**base, "models": models, "kv_cache": kv}), _spec(L70), _spec(L1B), DEVICES["h200"])
+    p2 = plan(
+        Recipe.model_validate({**base, "models": models, "kv_cache": kv}), _spec(L70), _spec(L1B), DEVICES["h200"]
+    )
     assert p2["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 19 * 64 / 8
     # int5_keys' auto with a window: the keys of the middle third of the 80 layers (27-52: 26 x 8 units) in INT5,
     # 16 more payload bytes each than INT4 (80 against 64 at head 128), and no INT8 retrieval units
-    p3 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
-                                                           "int3_values": 0}}), _spec(L70), _spec(L1B), DEVICES["h200"])
+    p3 = plan(
+        Recipe.model_validate(
+            {**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none", "int3_values": 0}}
+        ),
+        _spec(L70),
+        _spec(L1B),
+        DEVICES["h200"],
+    )
     # KLT keys (the first two thirds of the layers, 0-52) take the bytes of the INT4 / INT5 keys they replace (one
     # scale per token: the recipe's group is the head size); the store keeps a 4-byte position per slot; with
     # group 64 the other units keep two scales a token and the KLT ones one
-    pk = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none",
-                                                           "int3_values": 0, "key_transform": "klt"}}),
-              _spec(L70), _spec(L1B), DEVICES["h200"])
+    pk = plan(
+        Recipe.model_validate(
+            {
+                **exact,
+                "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "none", "int3_values": 0, "key_transform": "klt"},
+            }
+        ),
+        _spec(L70),
+        _spec(L1B),
+        DEVICES["h200"],
+    )
     assert p3["kv_bytes_per_token"] - p1["kv_bytes_per_token"] == 26 * 8 * 16 / 8
     assert pk["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == 4
     g64 = {**exact["kv_cache"], "int5_keys": "auto", "int6_keys": "none", "int3_values": 0, "group_size": 64}
-    p5, pk5 = (plan(Recipe.model_validate({**exact, "kv_cache": {**g64, "key_transform": t}}), _spec(L70), _spec(L1B),
-                    DEVICES["h200"]) for t in ("none", "klt"))
+    p5, pk5 = (
+        plan(
+            Recipe.model_validate({**exact, "kv_cache": {**g64, "key_transform": t}}),
+            _spec(L70),
+            _spec(L1B),
+            DEVICES["h200"],
+        )
+        for t in ("none", "klt")
+    )
     assert pk5["kv_bytes_per_token"] - p5["kv_bytes_per_token"] == 4 - 53 * 8 * 2 / 8
     # and INT6 keys (opt-in) with int3_values' auto: the keys of the first third (layers 0-26: 27 x 8 units) in
     # INT6, 32 more payload bytes each than INT4 (96 against 64), and round(0.6667 * 640) = 427 value units in INT3,
     # 16 fewer each (48 against 64)
-    p4 = plan(Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "early"}}),
-              _spec(L70), _spec(L1B), DEVICES["h200"])
+    p4 = plan(
+        Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "early"}}),
+        _spec(L70),
+        _spec(L1B),
+        DEVICES["h200"],
+    )
     # (at tp 8 key_transform's auto stays none: KLT keys are calibrated for one rank)
     assert p4["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == (27 * 8 * 32 - 427 * 16) / 8
 
 
 def test_small_config_by_hand():
-    small = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 4096, "head_dim": 64, "dtype": "float32",
-             "qkv_bias": True, "o_bias": False, "mlp_bias": False}
-    r = Recipe.model_validate({"name": "s", "models": {"verifier": {"path": "v"}, "draft": {"path": "d"}},
-                               "limits": {"max_batch_size": 2, "max_input_len": 100, "max_seq_len": 128},
-                               "kv_cache": {"format": "fp8", "group_size": 64, "page_size": 16},
-                               "speculative": {"tree": "chain", "length": 3}})
+    small = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+        "head_dim": 64,
+        "dtype": "float32",
+        "qkv_bias": True,
+        "o_bias": False,
+        "mlp_bias": False,
+    }
+    r = Recipe.model_validate(
+        {
+            "name": "s",
+            "models": {"verifier": {"path": "v"}, "draft": {"path": "d"}},
+            "limits": {"max_batch_size": 2, "max_input_len": 100, "max_seq_len": 128},
+            "kv_cache": {"format": "fp8", "group_size": 64, "page_size": 16},
+            "speculative": {"tree": "chain", "length": 3},
+        }
+    )
     p = plan(r, small, None, DEVICES["h100"], tp=2)
     # tp 2: 2 query heads and 1 KV head of 64 per rank; per layer 2*256 + (128 + 128)*256 + 256 (qkv bias) +
     # 256*128 + 3*256*256 = 295,680; embedding 4096*256; lm_head 2048*256; ln_f 256; fp32
@@ -139,8 +216,11 @@ def _write(tmp_path: Path, text: str) -> Path:
         (tmp_path / d).mkdir()
         (tmp_path / d / "config.json").write_text(json.dumps(cfg))
     f = tmp_path / "70b.yaml"
-    f.write_text(text.replace("/models/Meta-Llama-3.1-70B-Instruct", str(tmp_path / "v"))
-                 .replace("/models/Llama-3.2-1B-Instruct", str(tmp_path / "d")))
+    f.write_text(
+        text.replace("/models/Meta-Llama-3.1-70B-Instruct", str(tmp_path / "v")).replace(
+            "/models/Llama-3.2-1B-Instruct", str(tmp_path / "d")
+        )
+    )
     return f
 
 

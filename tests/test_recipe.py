@@ -1,4 +1,5 @@
 """Recipe validation: every bad input is exit 2 with a message naming file, line and key; nothing written."""
+
 from __future__ import annotations
 
 import shutil
@@ -6,11 +7,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from pairs import make_pair, make_tokenizer, write_recipe
 
 from bpcompile.cli import main
-
-from bpcompile.build.recipe import load_recipe, parse_recipe
-from pairs import make_pair, make_tokenizer, write_recipe
+from bpcompile.compiler.recipe import load_recipe, parse_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,40 +35,97 @@ def test_valid_recipe_loads_with_defaults(tmp_path, pair):
     assert code == 0, out
 
 
-@pytest.mark.parametrize("target,executor,fmt,extra,want", [
-    # the default: a 10-position exact window, the keys of the first third of the layers KLT6 (INT6's bytes), of the
-    # middle third KLT5, two thirds of the value units (those outside the middle third) INT3
-    ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt"}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
-    # without KLT keys: the middle third's keys INT5, nothing else (the previous default)
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
-    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "none"}, (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none")),
-    # INT6 keys without the transform: window 11
-    ("native", "torch", "int4-fp8-outlier", {"int6_keys": "early", "key_transform": "none"},
-     (0, 11, 0.0, 0.0, "middle", "early", 0.6667, "none")),
-    # KLT keys without INT6 ones: the middle third's as KLT5, window 10; without INT5 keys either: KLT4, window 7
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int6_keys": "none"},
-     (0, 10, 0.0, 0.0, "middle", "none", 0.0, "klt")),
-    ("native", "torch", "int4-fp8-outlier", {"key_transform": "klt", "int5_keys": "none"},
-     (0, 7, 0.0, 0.0, "none", "none", 0.0, "klt")),
-    # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
-    ("native", "torch", "int4-fp8-outlier", {"int5_keys": "none"}, (0, 16, 0.01, 0.015, "none", "none", 0.0, "none")),
-    # without a window: no KLT, INT5 or INT6 keys either (measured only next to exact recent keys)
-    ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
-    # the graphs do not read exact entries (nor INT6, INT3 or KLT units)
-    ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
-    ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),  # nor the plugin
-    ("native", "torch", "int8", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),  # auto: for the INT4 format only
-    ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
-])
+@pytest.mark.parametrize(
+    "target,executor,fmt,extra,want",
+    [
+        # the default: a 10-position exact window, the keys of the first third of the layers KLT6 (INT6's bytes), of the
+        # middle third KLT5, two thirds of the value units (those outside the middle third) INT3
+        ("native", "torch", "int4-fp8-outlier", {}, (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt")),
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"key_transform": "klt"},
+            (0, 10, 0.0, 0.0, "middle", "early", 0.6667, "klt"),
+        ),
+        # without KLT keys: the middle third's keys INT5, nothing else (the previous default)
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"key_transform": "none"},
+            (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none"),
+        ),
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"int6_keys": "none"},
+            (0, 10, 0.0, 0.0, "middle", "none", 0.0, "none"),
+        ),
+        # INT6 keys without the transform: window 11
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"int6_keys": "early", "key_transform": "none"},
+            (0, 11, 0.0, 0.0, "middle", "early", 0.6667, "none"),
+        ),
+        # KLT keys without INT6 ones: the middle third's as KLT5, window 10; without INT5 keys either: KLT4, window 7
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"key_transform": "klt", "int6_keys": "none"},
+            (0, 10, 0.0, 0.0, "middle", "none", 0.0, "klt"),
+        ),
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"key_transform": "klt", "int5_keys": "none"},
+            (0, 7, 0.0, 0.0, "none", "none", 0.0, "klt"),
+        ),
+        # without INT5 keys: a 16-position window, 1% FP8 units, 1.5% of the units (retrieval heads' keys) INT8
+        (
+            "native",
+            "torch",
+            "int4-fp8-outlier",
+            {"int5_keys": "none"},
+            (0, 16, 0.01, 0.015, "none", "none", 0.0, "none"),
+        ),
+        # without a window: no KLT, INT5 or INT6 keys either (measured only next to exact recent keys)
+        ("native", "torch", "int4-fp8-outlier", {"recent_window": 0}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
+        # the graphs do not read exact entries (nor INT6, INT3 or KLT units)
+        ("native", "onnxruntime", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
+        ("tensorrt", "torch", "int4-fp8-outlier", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),  # nor the plugin
+        (
+            "native",
+            "torch",
+            "int8",
+            {},
+            (0, 0, 0.08, 0.0, "none", "none", 0.0, "none"),
+        ),  # auto: for the INT4 format only
+        ("native", "torch", "fp16", {}, (0, 0, 0.08, 0.0, "none", "none", 0.0, "none")),
+    ],
+)
 def test_kv_cache_autos_resolve_per_target(target, executor, fmt, extra, want):
     from bpcompile.core.engine import EngineConfig
 
-    e = EngineConfig.model_validate({"name": "t", "target": target, "runtime": {"executor": executor},
-                                     "kv_cache": {"format": fmt, **extra}})
+    e = EngineConfig.model_validate(
+        {"name": "t", "target": target, "runtime": {"executor": executor}, "kv_cache": {"format": fmt, **extra}}
+    )
     kv = e.kv_cache
-    assert (kv.sink_tokens, kv.recent_window, kv.outlier_fraction, kv.retrieval_fraction, kv.int5_keys,
-            kv.int6_keys, kv.int3_values, kv.key_transform) == want
+    assert (
+        kv.sink_tokens,
+        kv.recent_window,
+        kv.outlier_fraction,
+        kv.retrieval_fraction,
+        kv.int5_keys,
+        kv.int6_keys,
+        kv.int3_values,
+        kv.key_transform,
+    ) == want
     assert EngineConfig.model_validate_json(e.model_dump_json()).kv_cache == kv  # engine.json keeps them resolved
 
 
@@ -78,24 +135,39 @@ def test_shipped_recipes_parse():
         assert r.kv_cache.format == "int4-fp8-outlier"
 
 
-@pytest.mark.parametrize("extra,key,line_of,expect", [
-    ("kv_cache: {format: int3}\n", "kv_cache.format", "kv_cache", "int4-fp8-outlier"),
-    ("speculative: {tree: dynamic, nodez: 5}\n", "speculative.nodez", "speculative", "unknown key"),
-    ("limits: {max_batch_size: many}\n", "limits.max_batch_size", "limits", "integer"),
-    ("speculative: {tree: static}\n", "speculative", "speculative", "needs 'choices'"),
-    ("speculative: {tree: static, choices: [[0], [1, 0]]}\n", "speculative", "speculative", "no parent"),
-    ("parallel: {tp: 3, pp: 1}\n", "parallel.tp", "parallel", "does not divide"),
-    ("target: onnx\n", "target", "target", "native"),
-    ("kv_cache: {format: int8, recent_window: 8}\nruntime: {executor: onnxruntime}\n", "kv_cache.recent_window",
-     "kv_cache", "torch executor only"),
-    ("kv_cache: {int6_keys: early, recent_window: 0}\nruntime: {executor: onnxruntime}\n", "kv_cache.int6_keys",
-     "kv_cache", "torch executor only"),
-    ("kv_cache: {key_transform: klt, recent_window: 0}\nruntime: {executor: onnxruntime}\n", "kv_cache.key_transform",
-     "kv_cache", "torch executor only"),
-    ("kv_cache: {format: fp8, key_transform: klt}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
-    ("kv_cache: {format: int8, int3_values: 0.5}\n", "kv_cache", "kv_cache", "int4-fp8-outlier"),
-    ("kv_cache: {format: fp8, int5_keys: middle}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
-])
+@pytest.mark.parametrize(
+    "extra,key,line_of,expect",
+    [
+        ("kv_cache: {format: int3}\n", "kv_cache.format", "kv_cache", "int4-fp8-outlier"),
+        ("speculative: {tree: dynamic, nodez: 5}\n", "speculative.nodez", "speculative", "unknown key"),
+        ("limits: {max_batch_size: many}\n", "limits.max_batch_size", "limits", "integer"),
+        ("speculative: {tree: static}\n", "speculative", "speculative", "needs 'choices'"),
+        ("speculative: {tree: static, choices: [[0], [1, 0]]}\n", "speculative", "speculative", "no parent"),
+        ("parallel: {tp: 3, pp: 1}\n", "parallel.tp", "parallel", "does not divide"),
+        ("target: onnx\n", "target", "target", "native"),
+        (
+            "kv_cache: {format: int8, recent_window: 8}\nruntime: {executor: onnxruntime}\n",
+            "kv_cache.recent_window",
+            "kv_cache",
+            "torch executor only",
+        ),
+        (
+            "kv_cache: {int6_keys: early, recent_window: 0}\nruntime: {executor: onnxruntime}\n",
+            "kv_cache.int6_keys",
+            "kv_cache",
+            "torch executor only",
+        ),
+        (
+            "kv_cache: {key_transform: klt, recent_window: 0}\nruntime: {executor: onnxruntime}\n",
+            "kv_cache.key_transform",
+            "kv_cache",
+            "torch executor only",
+        ),
+        ("kv_cache: {format: fp8, key_transform: klt}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
+        ("kv_cache: {format: int8, int3_values: 0.5}\n", "kv_cache", "kv_cache", "int4-fp8-outlier"),
+        ("kv_cache: {format: fp8, int5_keys: middle}\n", "kv_cache", "kv_cache", "needs format int4-fp8-outlier"),
+    ],
+)
 def test_bad_values_exit_2_naming_key_and_line(tmp_path, pair, extra, key, line_of, expect):
     text = write_recipe(tmp_path / "r.yaml", *pair).read_text()
     # replace the default block of that section with the bad one

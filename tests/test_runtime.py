@@ -1,4 +1,5 @@
 """The native runtime: paged attention, paged KV bookkeeping, in-flight batching, greedy speculation == greedy."""
+
 from __future__ import annotations
 
 import json
@@ -8,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import noisy_copy, one_thread, random_llama, write_engine_config  # noqa: E402,F401  (one_thread: fixture)
 
+from bpcompile.commands import generate_text
 from bpcompile.core.errors import UserError
 from bpcompile.kernels import cpu_decode, cpu_rows
+from bpcompile.kernels.tree_mask import pack_rows
+from bpcompile.runtime.generator import Generator, SamplingParams, StepOutput, TreeSpec
 from bpcompile.runtime.kvcache import FloatKVStore
 from bpcompile.runtime.model import FeatureDraft, Llama, ModelConfig, causal_attend, cpu_packing_works
-from bpcompile.commands import generate_text
-from bpcompile.runtime.generator import Generator, SamplingParams, StepOutput, TreeSpec
 from bpcompile.runtime.paged_kv import AttnBatch, PagedKV, paged_attention
-from bpcompile.kernels.tree_mask import pack_rows
-from conftest import noisy_copy, one_thread, random_llama, write_engine_config  # noqa: E402,F401  (one_thread: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
@@ -26,11 +27,15 @@ TINY = REPO / "models" / "tiny"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
-                  intermediate_size=128)
+CFG = ModelConfig(
+    vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16, intermediate_size=128
+)
 PROMPTS = [[5, 17, 9, 200, 3], list(range(30, 41)), [7, 7, 7], [(i * 37) % 256 for i in range(19)]]
-TREES = {"chain": TreeSpec("chain", length=4), "static": TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
-         "dynamic": TreeSpec("dynamic", nodes=5)}
+TREES = {
+    "chain": TreeSpec("chain", length=4),
+    "static": TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
+    "dynamic": TreeSpec("dynamic", nodes=5),
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def plain_greedy(model: Llama, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def reference(pair_, prompts, max_tokens):
@@ -54,6 +59,7 @@ def reference(pair_, prompts, max_tokens):
 
 # ------------------------------------------------------------------------------------------ weights
 
+
 @pytest.mark.skipif(not cpu_rows.available(), reason="no C compiler or no AVX-512 here: the few-row kernel is off")
 def test_rows_kernel_products():
     """The few-row CPU kernel against float64 products: 1..16 rows, sizes that leave a masked column tail and
@@ -62,7 +68,7 @@ def test_rows_kernel_products():
     for n, k in [(37, 70), (576, 576), (24, 16)]:
         w = torch.randn(n, k, generator=g)
         x = torch.randn(cpu_rows.MAX_ROWS, k, generator=g)
-        alone = [cpu_rows.rows_matmul(x[i:i + 1].contiguous(), w)[0] for i in range(len(x))]
+        alone = [cpu_rows.rows_matmul(x[i : i + 1].contiguous(), w)[0] for i in range(len(x))]
         for r in range(1, cpu_rows.MAX_ROWS + 1):
             y = cpu_rows.rows_matmul(x[:r].contiguous(), w)
             assert torch.allclose(y.double(), x[:r].double() @ w.double().t(), rtol=1e-5, atol=1e-4), (n, k, r)
@@ -86,8 +92,9 @@ def test_cpu_kernels_build_into_their_cache_and_fall_back(tmp_path, kernel, swit
     probe = f"from bpcompile.kernels import {kernel}; print({kernel}.available())"
 
     def run(**env):
-        out = subprocess.run([sys.executable, "-c", probe], env=os.environ | env, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=os.environ | env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
@@ -116,16 +123,29 @@ def test_few_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
     if build == "portable":
         cc = shutil.which("cc") or shutil.which("gcc")
         so = tmp_path / "portable.so"
-        subprocess.run([cc, "-O3", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", str(cpu_decode.SOURCE), "-o",
-                        str(so)], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [cc, "-O3", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", str(cpu_decode.SOURCE), "-o", str(so)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         lib = ctypes.CDLL(str(so))
         cpu_decode.bind(lib)
         monkeypatch.setattr(cpu_decode, "_lib", lambda: lib)
     g = torch.Generator().manual_seed(0)
-    cases = [(9, 3, 64, 1), (9, 3, 64, 16), (9, 3, 64, 37), (8, 2, 128, 300), (4, 4, 16, 33), (6, 2, 40, 17),
-             (9, 3, 64, 2500), (4, 1, 128, 48)]
+    cases = [
+        (9, 3, 64, 1),
+        (9, 3, 64, 16),
+        (9, 3, 64, 37),
+        (8, 2, 128, 300),
+        (4, 4, 16, 33),
+        (6, 2, 40, 17),
+        (9, 3, 64, 2500),
+        (4, 1, 128, 48),
+    ]
     for (H, KV, D, n), mode in [(c, m) for c in cases for m in ("float", "float16", "exact", "exact only")] + [
-            (c, "tree") for c in cases[2:]]:
+        (c, "tree") for c in cases[2:]
+    ]:
         L, R, S, C = 2, 3, n + 5, 14
         T = 6 if mode == "tree" else 1
         k, v = torch.randn(L, R, KV, S, D, generator=g), torch.randn(L, R, KV, S, D, generator=g)
@@ -137,25 +157,35 @@ def test_few_query_kernel_attends_as_float64_does(build, tmp_path, monkeypatch):
         if mode.startswith("exact"):
             a0 = 0 if mode == "exact only" else n // 3
             cols = torch.randperm(C, generator=g)[:5]
-            out = cpu_decode.attend(q, k, v, (1, 2), (a0, a0 if mode == "exact only" else n), exact=(kh, vh, cols),
-                                    new=(kn, vn), write=cols[2:3].clone())
+            out = cpu_decode.attend(
+                q,
+                k,
+                v,
+                (1, 2),
+                (a0, a0 if mode == "exact only" else n),
+                exact=(kh, vh, cols),
+                new=(kn, vn),
+                write=cols[2:3].clone(),
+            )
             before[2][1, 2, :, cols[2]], before[3][1, 2, :, cols[2]] = kn[0].half(), vn[0].half()
-            keys = torch.cat((k[1, 2, :, a0:n if mode == "exact" else a0], kh[1, 2][:, cols].float()), 1)
-            vals = torch.cat((v[1, 2, :, a0:n if mode == "exact" else a0], vh[1, 2][:, cols].float()), 1)
+            keys = torch.cat((k[1, 2, :, a0 : n if mode == "exact" else a0], kh[1, 2][:, cols].float()), 1)
+            vals = torch.cat((v[1, 2, :, a0 : n if mode == "exact" else a0], vh[1, 2][:, cols].float()), 1)
         else:  # one query at the end, or a tree of six: each sees a random subset of the run, one of them nothing
             widx = torch.arange(n - T, n) if T <= n else torch.randperm(n, generator=g)[:T]
             if mode == "tree":
                 mask = torch.rand(T, n, generator=g) < 0.7
                 mask[3] = False
-            out = cpu_decode.attend(q, k, v, (1, 2), (0, n), mask=mask, new=(kn, vn), write=widx,
-                                    round16=mode == "float16")
+            out = cpu_decode.attend(
+                q, k, v, (1, 2), (0, n), mask=mask, new=(kn, vn), write=widx, round16=mode == "float16"
+            )
             for i in range(T):
                 before[0][1, 2, :, widx[i]], before[1][1, 2, :, widx[i]] = (
-                    t.half().float() if mode == "float16" else t for t in (kn[i], vn[i]))
+                    t.half().float() if mode == "float16" else t for t in (kn[i], vn[i])
+                )
             keys, vals = k[1, 2, :, :n], v[1, 2, :, :n]
         assert all(torch.equal(x, y) for x, y in zip((k, v, kh, vh), before))  # written there, nothing else
         kd, vd = (t.double().repeat_interleave(H // KV, 0) for t in (keys, vals))  # [H, n, D]
-        s = torch.einsum("thd,hnd->thn", q.double(), kd) * D ** -0.5
+        s = torch.einsum("thd,hnd->thn", q.double(), kd) * D**-0.5
         if mask is not None:
             s = s.masked_fill(~mask[:, None], float("-inf"))
         ref = torch.einsum("thn,hnd->thd", torch.softmax(s, -1).nan_to_num(0.0), vd)
@@ -187,11 +217,16 @@ def test_few_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
     c = pair[0].cfg
     calls = []
     real = cpu_decode.attend
-    monkeypatch.setattr(executor_mod.cpu_decode, "attend", lambda *a, **kw: calls.append((a[0].shape[0], a[1])) or real(*a, **kw))
+    monkeypatch.setattr(
+        executor_mod.cpu_decode, "attend", lambda *a, **kw: calls.append((a[0].shape[0], a[1])) or real(*a, **kw)
+    )
     int4 = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
-    factories = {"fp16": float_store_factory(torch.float16), "fp32": float_store_factory(torch.float32),
-                 "int4 sink 1 window 3": kv_store_factory(replace(int4, sink_tokens=1, recent_window=3)),
-                 "int4 window 8": kv_store_factory(replace(int4, recent_window=8))}
+    factories = {
+        "fp16": float_store_factory(torch.float16),
+        "fp32": float_store_factory(torch.float32),
+        "int4 sink 1 window 3": kv_store_factory(replace(int4, sink_tokens=1, recent_window=3)),
+        "int4 window 8": kv_store_factory(replace(int4, recent_window=8)),
+    }
     for name, factory in factories.items():
         runs = []
         for kernel in (True, False):
@@ -220,14 +255,21 @@ def test_few_query_kernel_decodes_as_the_pytorch_path(pair, monkeypatch):
             assert torch.allclose(a, b, rtol=tol, atol=tol), (name, (a - b).abs().max())
             assert name.startswith("fp") or (a != b).float().mean() < 0.01, name
     gen = Generator(pair[0], None, None, max_batch_size=1, page_size=4, kv_store_factory=factories["fp16"])
-    (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
+    ((toks, _),) = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
     assert toks == plain_greedy(pair[0], PROMPTS[1], 16)
     for name in ("fp32", "fp16", "int4 sink 1 window 3"):  # batches and trees: a kernel call per sequence over a
         for batch, tree in ((3, None), (1, TREES["dynamic"]), (3, TREES["dynamic"])):  # float cache, PyTorch's
-            outs = []                                                                  # for a plan's
+            outs = []  # for a plan's
             for kernel in (True, False):
-                gen = Generator(pair[0], pair[1] if tree else None, tree, max_batch_size=batch, page_size=4,
-                                backoff=False, kv_store_factory=factories[name])
+                gen = Generator(
+                    pair[0],
+                    pair[1] if tree else None,
+                    tree,
+                    max_batch_size=batch,
+                    page_size=4,
+                    backoff=False,
+                    kv_store_factory=factories[name],
+                )
                 for ex in (gen.v_exec, gen.d_exec):
                     if ex is not None:
                         ex.few_query_kernel = kernel
@@ -337,6 +379,7 @@ def test_packed_weights_compute_what_plain_ones_do(pair, tied, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ attention
 
+
 def test_paged_attention_matches_dense():
     """Two sequences, different contexts and tree regions, arbitrary mask rows, pages scattered."""
     torch.manual_seed(0)
@@ -355,8 +398,9 @@ def test_paged_attention_matches_dense():
         keys[rid] = (k, v)
     q = torch.randn(2, T, H, D)
     mask = torch.stack([pack_rows(r + [0] * (T - len(r)), 1) for r in rows])
-    batch = AttnBatch(kv.block_tables(["a", "b"], "cpu"), torch.tensor(ctx), torch.tensor(tree_lens),
-                      torch.tensor(q_lens), mask, ps)
+    batch = AttnBatch(
+        kv.block_tables(["a", "b"], "cpu"), torch.tensor(ctx), torch.tensor(tree_lens), torch.tensor(q_lens), mask, ps
+    )
     out = paged_attention(q, store, 0, batch)
     for b, rid in enumerate("ab"):
         k, v = keys[rid]
@@ -369,6 +413,7 @@ def test_paged_attention_matches_dense():
 
 
 # ------------------------------------------------------------------------------------------- greedy
+
 
 def test_verifier_only_matches_full_recompute(pair):
     got = reference(pair, PROMPTS[:3], 20)
@@ -384,7 +429,8 @@ def test_greedy_speculation_is_identical(pair, kind):
     batched = gen.generate(PROMPTS, SamplingParams(max_tokens=40))  # batch 4, different prompt lengths
     assert [t for t, _ in batched] == ref
     one = Generator(pair[0], pair[1], TREES[kind], max_batch_size=1, page_size=8, backoff=False).generate(
-        [PROMPTS[1]], SamplingParams(max_tokens=40))
+        [PROMPTS[1]], SamplingParams(max_tokens=40)
+    )
     assert one[0][0] == ref[1]
     stats = [s for _, s in batched]
     assert sum(s.committed for s in stats) / sum(s.verifier_steps for s in stats) > 1.15  # drafts do get accepted
@@ -395,7 +441,7 @@ def test_greedy_speculation_is_identical(pair, kind):
 def test_identical_draft_accepts_everything(pair):
     """draft == verifier: every chain token is accepted, tau = length + 1 (until max_tokens caps the tree)."""
     gen = Generator(pair[0], pair[0], TreeSpec("chain", length=4), max_batch_size=2, page_size=4, backoff=False)
-    (toks, st), = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=31))  # 1 + 6 steps x 5
+    ((toks, st),) = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=31))  # 1 + 6 steps x 5
     assert toks == reference(pair, [PROMPTS[0]], 31)[0]
     assert st.verifier_steps == 6 and st.accepted_per_depth == st.proposed_per_depth == [6, 6, 6, 6]
 
@@ -415,7 +461,7 @@ def test_feature_draft_speculation_is_identical(pair, kind):
     over prompts of different lengths, with and without back-off; every page returned."""
     ref = reference(pair, PROMPTS, 30)
     H = CFG.hidden_size
-    fc = torch.randn(H, 2 * H, generator=torch.Generator().manual_seed(3)) / H ** 0.5
+    fc = torch.randn(H, 2 * H, generator=torch.Generator().manual_seed(3)) / H**0.5
     d = feature_draft(pair[0], pair[1].w, fc)
     for backoff in (False, True):
         gen = Generator(pair[0], d, TREES[kind], max_batch_size=4, page_size=4, backoff=backoff)
@@ -455,7 +501,7 @@ def test_feature_draft_copy_of_a_one_layer_verifier_accepts_everything():
     H = cfg.hidden_size
     d = feature_draft(v, v.w, torch.cat((torch.eye(H), torch.zeros(H, H)), 1))
     gen = Generator(v, d, TreeSpec("chain", length=4), max_batch_size=2, page_size=4, backoff=False)
-    (toks, st), = gen.generate([PROMPTS[3]], SamplingParams(max_tokens=31))
+    ((toks, st),) = gen.generate([PROMPTS[3]], SamplingParams(max_tokens=31))
     assert toks == plain_greedy(v, PROMPTS[3], 31)
     assert st.verifier_steps == 6 and st.accepted_per_depth == st.proposed_per_depth == [6, 6, 6, 6]
 
@@ -505,15 +551,33 @@ def test_dense_view_of_a_quantized_cache_is_what_the_store_holds(pair):
 
     c = pair[0].cfg
     g = torch.Generator().manual_seed(3)
-    prec = [{"k": ["int4", "fp8"][:c.num_kv_heads] + ["int4"] * (c.num_kv_heads - 2), "v": ["int4"] * c.num_kv_heads}
-            for _ in range(c.num_layers)]
-    plan = KVPlan("int4-fp8-outlier", c.num_layers, c.num_kv_heads, c.head_size, c.head_size, prec,
-                  k_channel_scale=torch.rand(c.num_layers, c.num_kv_heads, c.head_size, generator=g) + 0.5,
-                  rotation="hadamard", k_mean=torch.randn(c.num_layers, c.num_kv_heads, c.head_size, generator=g))
+    prec = [
+        {"k": ["int4", "fp8"][: c.num_kv_heads] + ["int4"] * (c.num_kv_heads - 2), "v": ["int4"] * c.num_kv_heads}
+        for _ in range(c.num_layers)
+    ]
+    plan = KVPlan(
+        "int4-fp8-outlier",
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_size,
+        c.head_size,
+        prec,
+        k_channel_scale=torch.rand(c.num_layers, c.num_kv_heads, c.head_size, generator=g) + 0.5,
+        rotation="hadamard",
+        k_mean=torch.randn(c.num_layers, c.num_kv_heads, c.head_size, generator=g),
+    )
     outs = []
     for dense in (True, False):
-        gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=2, page_size=4, backoff=False,
-                        kv_store_factory=kv_store_factory(plan), dense_kv=dense)
+        gen = Generator(
+            pair[0],
+            pair[1],
+            TREES["dynamic"],
+            max_batch_size=2,
+            page_size=4,
+            backoff=False,
+            kv_store_factory=kv_store_factory(plan),
+            dense_kv=dense,
+        )
         outs.append([t for t, _ in gen.generate(PROMPTS[:2], SamplingParams(max_tokens=12))])
         if dense:
             gen.add_request(PROMPTS[2], SamplingParams(max_tokens=30), request_id="r")
@@ -545,8 +609,15 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
     plan = replace(base, sink_tokens=sink, recent_window=window)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
     for tree in (None, TREES["dynamic"]):
-        gen = Generator(v, d if tree else None, tree, max_batch_size=3, page_size=4, backoff=False,
-                        kv_store_factory=kv_store_factory(plan))
+        gen = Generator(
+            v,
+            d if tree else None,
+            tree,
+            max_batch_size=3,
+            page_size=4,
+            backoff=False,
+            kv_store_factory=kv_store_factory(plan),
+        )
         assert gen.vkv.recent is not None and gen.vkv.nbytes() == gen.vkv.store.nbytes() + gen.vkv.recent.nbytes()
         batched = []  # forwards whose writes the store took all layers at once (window >= the step's tokens)
         store = gen.vkv.store
@@ -587,8 +658,15 @@ def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
     gen = Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan), dense_kv=False)
     assert gen.vkv.dense is not None and gen.vkv.kern is None  # exact entries need the dense path
     with pytest.raises(UserError, match="onnxruntime executor"):
-        Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
-                  executor="onnxruntime", graphs="/nonexistent")
+        Generator(
+            pair[0],
+            None,
+            None,
+            page_size=4,
+            kv_store_factory=kv_store_factory(plan),
+            executor="onnxruntime",
+            graphs="/nonexistent",
+        )
     # nor INT6, INT3 or KLT units: the same, without exact entries
     plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
     plan.precision[0] = {"k": ["int6"] * c.num_kv_heads, "v": ["int3"] * c.num_kv_heads}
@@ -596,11 +674,19 @@ def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
     assert kernels_for(store, torch.device("cpu")) is None
     assert "do not read INT6, INT3 or KLT" in capsys.readouterr().err
     with pytest.raises(UserError, match="INT6, INT3 or KLT"):
-        Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan),
-                  executor="onnxruntime", graphs="/nonexistent")
+        Generator(
+            pair[0],
+            None,
+            None,
+            page_size=4,
+            kv_store_factory=kv_store_factory(plan),
+            executor="onnxruntime",
+            graphs="/nonexistent",
+        )
 
 
 # -------------------------------------------------------------------------------- batching & lifetime
+
 
 def test_inflight_batching_pages_and_cancel(pair):
     prompts = PROMPTS + [[1, 2, 3, 4]]
@@ -702,22 +788,27 @@ def test_stop_conditions(pair):
     ref = reference(pair, [PROMPTS[1]], 30)[0]
     gen = Generator(pair[0], pair[1], TREES["chain"], max_batch_size=2, page_size=4)
     end = ref[10]
-    (toks, _), = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=30, end_id=end))
-    assert toks == ref[:ref.index(end)]
+    ((toks, _),) = gen.generate([PROMPTS[1]], SamplingParams(max_tokens=30, end_id=end))
+    assert toks == ref[: ref.index(end)]
     out = []
     gen.add_request(PROMPTS[1], SamplingParams(max_tokens=30, stop_words=[[99999], ref[6:8]]))
     while gen.has_work():
         for o in gen.step():
             out += o.new_tokens
             last = o
-    first = next(i for i in range(2, 9) if ref[i - 2:i] == ref[6:8])  # the 2-gram may occur earlier
+    first = next(i for i in range(2, 9) if ref[i - 2 : i] == ref[6:8])  # the 2-gram may occur earlier
     assert out == ref[:first] and last.finish_reason == "stop"
 
 
 def test_bad_requests_are_user_errors(pair):
     gen = Generator(pair[0], None, None, max_seq_len=32)
-    for prompt, params in (([], SamplingParams()), ([1, 256], SamplingParams()), ([1] * 20, SamplingParams(max_tokens=13)),
-                           ([1], SamplingParams(max_tokens=0)), ([1], SamplingParams(top_p=0.0))):
+    for prompt, params in (
+        ([], SamplingParams()),
+        ([1, 256], SamplingParams()),
+        ([1] * 20, SamplingParams(max_tokens=13)),
+        ([1], SamplingParams(max_tokens=0)),
+        ([1], SamplingParams(top_p=0.0)),
+    ):
         with pytest.raises(UserError):
             gen.add_request(prompt, params)
     with pytest.raises(UserError):
@@ -728,7 +819,7 @@ def test_sampling_is_seeded(pair):
     gen = Generator(pair[0], pair[1], TREES["dynamic"], max_batch_size=4, page_size=4)
     p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=7)
     a, b = gen.generate([PROMPTS[0], PROMPTS[0]], p)
-    c, = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=8))
+    (c,) = gen.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=8))
     assert a[0] == b[0] and a[0] != c[0] and len(a[0]) == 24
 
 
@@ -742,12 +833,19 @@ def test_quantized_store_via_factory(pair):
 
     def draft_factory(cfg, num_pages, page_size, device):
         calls.append((cfg, num_pages, page_size, device))
-        return FloatKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, num_pages, page_size,
-                            dtype=torch.float16, device=device)
+        return FloatKVStore(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_size, num_pages, page_size, dtype=torch.float16, device=device
+        )
 
     plain = Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan))
-    spec = Generator(pair[0], pair[1], TREES["static"], page_size=4, kv_store_factory=kv_store_factory(plan),
-                     draft_kv_store_factory=draft_factory)
+    spec = Generator(
+        pair[0],
+        pair[1],
+        TREES["static"],
+        page_size=4,
+        kv_store_factory=kv_store_factory(plan),
+        draft_kv_store_factory=draft_factory,
+    )
     assert type(spec.vkv.store).__name__ == "QuantKVStore" and calls == [(pair[1].cfg, spec.num_pages, 4, "cpu")]
     p = SamplingParams(max_tokens=24)
     assert [t for t, _ in spec.generate(PROMPTS[:2], p)] == [t for t, _ in plain.generate(PROMPTS[:2], p)]
@@ -755,33 +853,55 @@ def test_quantized_store_via_factory(pair):
 
 # ------------------------------------------------------------------------------- engine dir and CLI
 
+
 def save_hf(model: Llama, out: Path) -> Path:
     """Write `model` as an HF Llama checkpoint (config.json + model.safetensors) without importing transformers."""
+    from conftest import trtllm_to_hf
     from safetensors.torch import save_file
 
-    from conftest import trtllm_to_hf
-
     c = model.cfg
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
-           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_size, "hidden_act": "silu",
-           "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": 512,
-           "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg))
-    hf = trtllm_to_hf(model.w, {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-                                "head_size": c.head_size, "hidden_size": c.hidden_size})
+    hf = trtllm_to_hf(
+        model.w,
+        {
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_size": c.head_size,
+            "hidden_size": c.hidden_size,
+        },
+    )
     save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
 def _engine(tmp: Path, recipe: str) -> Path:
-    from bpcompile.build.convert import convert_checkpoint
     from pairs import make_tokenizer
 
-    cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
-                      intermediate_size=128)
+    from bpcompile.compiler.convert import convert_checkpoint
+
+    cfg = ModelConfig(
+        vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16, intermediate_size=128
+    )
     v = random_llama(cfg, seed=3)
     eng = tmp / "engine"
     convert_checkpoint(save_hf(v, tmp / "hf_v"), eng / "verifier")
@@ -794,9 +914,12 @@ def _engine(tmp: Path, recipe: str) -> Path:
 
 
 def test_from_engine_and_generate_text(tmp_path, capsys):
-    eng = _engine(tmp_path, "name: t\nlimits: {max_batch_size: 3, max_seq_len: 96, max_input_len: 95}\n"
-                            "kv_cache: {format: fp16, page_size: 8}\n"
-                            "speculative: {tree: static, choices: [[0], [1], [0, 0]]}\n")
+    eng = _engine(
+        tmp_path,
+        "name: t\nlimits: {max_batch_size: 3, max_seq_len: 96, max_input_len: 95}\n"
+        "kv_cache: {format: fp16, page_size: 8}\n"
+        "speculative: {tree: static, choices: [[0], [1], [0, 0]]}\n",
+    )
     from bpcompile.runtime.kvcache import KVPlan
 
     gen = Generator.from_engine(eng)
@@ -814,13 +937,20 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
             conf.write_text(json.dumps(raw | {"runtime": raw["runtime"] | {"cpu_weights": layout}}))
             g = Generator.from_engine(eng)
             assert type(g.verifier.head).__name__ == type(g.draft.layers[0].qkv).__name__ == kind
-            assert (getattr(g.verifier.head, "wt", None) is None) == (layout == "packed" or (layout == "rows" and few == "RowsLinear"))
+            assert (getattr(g.verifier.head, "wt", None) is None) == (
+                layout == "packed" or (layout == "rows" and few == "RowsLinear")
+            )
         conf.write_text(json.dumps(raw))
     KVPlan.uniform("int8", 2, 2, 16, group_size=16).save(eng / "kv_plan")
     gen = Generator.from_engine(eng)
     assert type(gen.vkv.store).__name__ == "QuantKVStore" and type(gen.dkv.store).__name__ == "FloatKVStore"
-    assert (gen.tree.kind, gen.tree.choices, gen.max_batch_size, gen.max_seq_len, gen.page_size) == \
-        ("static", [[0], [1], [0, 0]], 3, 96, 8)
+    assert (gen.tree.kind, gen.tree.choices, gen.max_batch_size, gen.max_seq_len, gen.page_size) == (
+        "static",
+        [[0], [1], [0, 0]],
+        3,
+        96,
+        8,
+    )
     assert Generator.from_engine(eng, tree=TreeSpec("none")).draft is None
     res = generate_text(eng, "The for statement", max_tokens=12, tree="chain:3", json_out=True)
     js = json.loads(capsys.readouterr().out)
@@ -831,7 +961,7 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     tok = Tokenizer.from_file(str(eng / "tokenizer" / "tokenizer.json"))
     ids = tok.encode("The for statement").ids
     plain = Generator.from_engine(eng, tree=TreeSpec("none")).generate([ids], SamplingParams(max_tokens=12))[0][0]
-    assert res["tokens"] == plain[:len(res["tokens"])]  # may stop early at </s>
+    assert res["tokens"] == plain[: len(res["tokens"])]  # may stop early at </s>
     streamed = generate_text(eng, "The for statement", max_tokens=12, no_speculation=True)
     out = capsys.readouterr()
     assert out.out == tok.decode(streamed["tokens"]) + "\n" and "tok/s" in out.err
@@ -847,13 +977,16 @@ def test_from_engine_errors(tmp_path):
 
 # ------------------------------------------------------------------------------------- the tiny pair
 
+
 @pytest.mark.slow
-@pytest.mark.skipif(not (TINY / "verifier" / "config.json").is_file() or not (TINY / "draft" / "config.json").is_file(),
-                    reason="the shipped tiny pair (models/tiny) is not built yet")
+@pytest.mark.skipif(
+    not (TINY / "verifier" / "config.json").is_file() or not (TINY / "draft" / "config.json").is_file(),
+    reason="the shipped tiny pair (models/tiny) is not built yet",
+)
 def test_tiny_pair_heldout_greedy_identical(tmp_path):
     """The issue's bar: 50 held-out prompts x 64 tokens, greedy speculation == verifier-only, every tree kind."""
-    from bpcompile.build.convert import convert_checkpoint
-    from bpcompile.build.corpus import heldout_prompts
+    from bpcompile.compiler.convert import convert_checkpoint
+    from bpcompile.compiler.corpus import heldout_prompts
 
     models = {}
     for name in ("verifier", "draft"):
@@ -863,8 +996,11 @@ def test_tiny_pair_heldout_greedy_identical(tmp_path):
     p = SamplingParams(max_tokens=64)
     kw = dict(max_batch_size=50, max_seq_len=128, page_size=16)
     ref = [t for t, _ in Generator(models["verifier"], None, None, **kw).generate(prompts, p)]
-    for spec in (TreeSpec("chain", length=5), TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
-                 TreeSpec("dynamic", nodes=5)):
+    for spec in (
+        TreeSpec("chain", length=5),
+        TreeSpec("static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
+        TreeSpec("dynamic", nodes=5),
+    ):
         res = Generator(models["verifier"], models["draft"], spec, backoff=False, **kw).generate(prompts, p)
         assert [t for t, _ in res] == ref, spec.kind
         # batch 1: one request in flight at a time, against the same (batched) verifier-only reference
@@ -897,7 +1033,7 @@ def test_logprobs_are_the_verifiers_own(tmp_path, pair, temperature, kind):
         t = toks[rid]
         assert len(t) == 12
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + t])).logits[0, len(prompt) - 1:-1].double()
+            logits = hf(torch.tensor([prompt + t])).logits[0, len(prompt) - 1 : -1].double()
         want = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, torch.tensor(t)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(lps[rid], dtype=torch.float64), want, atol=1e-4), (lps[rid], want)
     plain = Generator(v, None, None, max_batch_size=4, page_size=4)
@@ -929,8 +1065,8 @@ def test_context_and_generation_logits_are_the_verifiers(tmp_path, pair):
     for rid, prompt in ids.items():
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + toks[rid]])).logits[0]
-        assert torch.allclose(ctx[rid], logits[:len(prompt)], atol=1e-4)
-        assert torch.allclose(torch.cat(rows[rid]), logits[len(prompt) - 1:-1], atol=1e-4)
+        assert torch.allclose(ctx[rid], logits[: len(prompt)], atol=1e-4)
+        assert torch.allclose(torch.cat(rows[rid]), logits[len(prompt) - 1 : -1], atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["none", "dynamic"])
@@ -946,11 +1082,22 @@ def test_repetition_penalty_matches_transformers(tmp_path, pair, kind):
     out = gen.generate(PROMPTS, SamplingParams(max_tokens=16, repetition_penalty=1.3))
     for prompt, (toks, _) in zip(PROMPTS, out):
         ids = torch.tensor([prompt])  # (an explicit mask: token 0 is also the pad id these prompts may hold)
-        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                           repetition_penalty=1.3, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        want = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
         assert toks == want
-    plain = [t for t, _ in Generator(v, None, None, max_batch_size=4, page_size=4).generate(
-        PROMPTS, SamplingParams(max_tokens=16))]
+    plain = [
+        t
+        for t, _ in Generator(v, None, None, max_batch_size=4, page_size=4).generate(
+            PROMPTS, SamplingParams(max_tokens=16)
+        )
+    ]
     assert [t for t, _ in out] != plain  # the penalty changed something
 
 
@@ -965,8 +1112,14 @@ def test_presence_frequency_and_min_tokens(pair):
     assert got.tolist() == [1.0 / 2 - 0.75, float("-inf"), -2.0 - 1.0, 2.0 - 0.75, 0.5]
     assert apply_penalties(row, p, [], generated=3).tolist() == row.tolist()  # nothing seen, min_tokens reached
     v, d = pair
-    params = SamplingParams(max_tokens=16, presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.2,
-                            min_tokens=10, end_id=int(v(torch.tensor([PROMPTS[2]]))[0, -1].argmax()))
+    params = SamplingParams(
+        max_tokens=16,
+        presence_penalty=0.7,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        min_tokens=10,
+        end_id=int(v(torch.tensor([PROMPTS[2]]))[0, -1].argmax()),
+    )
     ref = Generator(v, None, None, max_batch_size=4, page_size=4).generate(PROMPTS, params)
     spec = Generator(v, d, TREES["dynamic"], max_batch_size=4, page_size=4).generate(PROMPTS, params)
     assert [t for t, _ in spec] == [t for t, _ in ref]

@@ -3,6 +3,7 @@ compaction move) gives the same greedy tokens as the PyTorch reference path, on 
 
 Runs in subprocesses because Triton's interpreter must be chosen before triton is imported; on a GPU the
 same code runs compiled (BPCOMPILE_KERNELS=auto picks the kernels on CUDA)."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,14 @@ def run(mode: str, tree: str, n: int) -> list[list[int]]:
     env = dict(os.environ, BPCOMPILE_KERNELS=mode, OMP_NUM_THREADS="1")
     if mode == "triton":
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, tree, str(n)], capture_output=True, text=True, env=env,
-                       timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tree, str(n)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

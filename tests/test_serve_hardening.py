@@ -1,6 +1,7 @@
 """`bpcompile serve` as an operator runs it (a real subprocess, a real tritonserver, real signals) and as a
 hostile client or local user probes it: planted backend stubs, the repository API, SIGTERM with streams in
 flight, tritonserver killed under it. Also the CLI's error output and `build` without the serve extra."""
+
 from __future__ import annotations
 
 import base64
@@ -54,8 +55,20 @@ class Serve:
 
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         self.err_file = tmp / f"serve-{self.http}.err"
-        cmd = [sys.executable, "-m", "bpcompile.cli", "serve", str(repo), "--http-port", str(self.http),
-               "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bpcompile.cli",
+            "serve",
+            str(repo),
+            "--http-port",
+            str(self.http),
+            "--grpc-port",
+            str(self.grpc),
+            "--metrics-port",
+            str(self.metrics),
+            *args,
+        ]
         with open(self.err_file, "wb") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=err, env={**os.environ, **(env or {})})
         _started.append(self)
@@ -75,8 +88,11 @@ class Serve:
         return int(re.search(r"tritonserver pid (\d+)", self.stderr()).group(1))
 
     def status(self, path: str, body: dict | None = None, headers: dict | None = None) -> int:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", headers=headers or {},
-                                     data=None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.http}{path}",
+            headers=headers or {},
+            data=None if body is None else json.dumps(body).encode(),
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status
@@ -116,9 +132,13 @@ def _kill_leftovers():
 
 
 def _evil_load_body(marker: Path) -> dict:
-    config = {"name": "evil", "backend": "python", "max_batch_size": 0,
-              "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [1]}],
-              "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}
+    config = {
+        "name": "evil",
+        "backend": "python",
+        "max_batch_size": 0,
+        "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [1]}],
+        "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}],
+    }
     model = base64.b64encode(EVIL_MODEL.format(marker=str(marker)).encode()).decode()
     return {"parameters": {"config": json.dumps(config), "file:1/model.py": model}}
 
@@ -132,12 +152,16 @@ def _plant_backends(tmpdir: Path, marker: Path) -> Path:
 
     dist = _pytriton_dist()
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    root = tmpdir / f"bpcompile-tritonserver-{os.getuid()}" / f"py{ver}-{hashlib.sha256(str(dist).encode()).hexdigest()[:10]}"
+    root = (
+        tmpdir
+        / f"bpcompile-tritonserver-{os.getuid()}"
+        / f"py{ver}-{hashlib.sha256(str(dist).encode()).hexdigest()[:10]}"
+    )
     shutil.copytree(dist / "backends", root / "backends")
     stub = root / "backends" / "python" / "triton_python_backend_stub"
     real = root.parent / "real_stub"
     shutil.copy2(dist / "python_backend_stubs" / ver / "triton_python_backend_stub", real)
-    stub.write_text(f"#!/bin/sh\nid > {marker}\nexec {real} \"$@\"\n")
+    stub.write_text(f'#!/bin/sh\nid > {marker}\nexec {real} "$@"\n')
     stub.chmod(0o755)
     for p in [root.parent, *root.parent.rglob("*")]:
         os.lchown(p, 12345, 12345)
@@ -152,8 +176,9 @@ def _stream(port: int, n: int, max_tokens: int):
 
     def one(i):
         try:
-            results[i] = generate_remote(f"127.0.0.1:{port}", "The quick brown fox", max_tokens, stream=True,
-                                         on_text=lambda t: started[i].set())
+            results[i] = generate_remote(
+                f"127.0.0.1:{port}", "The quick brown fox", max_tokens, stream=True, on_text=lambda t: started[i].set()
+            )
         except Exception as e:  # noqa: BLE001 - asserted below
             results[i] = e
 
@@ -195,8 +220,12 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
     time.sleep(0.5)  # the generators see the drain flag within 0.1 s
     with pytest.raises(RemoteError, match="shutting down"):
         generate_remote(f"127.0.0.1:{s.grpc}", "Hello", 4)
-    req = urllib.request.Request(f"http://127.0.0.1:{oai}/v1/completions", method="POST", data=json.dumps(
-        {"model": "tiny", "prompt": "Hello", "max_tokens": 4}).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{oai}/v1/completions",
+        method="POST",
+        data=json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as e:  # the OpenAI endpoint drains with the server
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 503 and "shutting down" in e.value.read().decode()
@@ -228,8 +257,11 @@ def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(
     with pytest.raises(InferenceServerException):
         c.unload_model("tensorrt_llm")
     with pytest.raises(InferenceServerException):
-        c.load_model("evil", config=body["parameters"]["config"],
-                     files={"file:1/model.py": EVIL_MODEL.format(marker=str(evil_ran)).encode()})
+        c.load_model(
+            "evil",
+            config=body["parameters"]["config"],
+            files={"file:1/model.py": EVIL_MODEL.format(marker=str(evil_ran)).encode()},
+        )
     c.close()
     assert not evil_ran.exists() and s.status("/v2/models/tensorrt_llm/ready") == 200
     # with the token the API answers (explicit mode is on; the restriction is the token)
@@ -256,11 +288,11 @@ def test_build_without_the_serve_extra_fails_before_publishing(tmp_path, missing
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"""name: t
 models:
-  verifier: {{path: {TINY / 'verifier'}, dtype: float32}}
-  draft: {{path: {TINY / 'draft'}, dtype: float32}}
+  verifier: {{path: {TINY / "verifier"}, dtype: float32}}
+  draft: {{path: {TINY / "draft"}, dtype: float32}}
 limits: {{max_batch_size: 4, max_input_len: 64, max_seq_len: 128}}
 kv_cache: {{format: fp16}}
-output: {{store: {tmp_path / 'engines'}, triton_repo: {tmp_path / 'triton_repo'}}}
+output: {{store: {tmp_path / "engines"}, triton_repo: {tmp_path / "triton_repo"}}}
 triton: {{emit: true}}
 kernels: {{compile: false}}
 """)

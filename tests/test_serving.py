@@ -3,6 +3,7 @@
 One server for the module (explicit model control, so the last test can load a new engine version).
 Reference outputs come from the in-process runtime (`Generator.from_engine`) on the same engine version.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,18 +19,40 @@ pytest.importorskip("pytriton")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from bpcompile.serving.client import (RemoteError, _grpc_client, bench_remote, generate_remote, load_model,  # noqa: E402
-                                     load_version, repository_index, unload_model)
+from bpcompile.serving.client import (  # noqa: E402
+    RemoteError,
+    _grpc_client,
+    bench_remote,
+    generate_remote,
+    load_model,
+    load_version,
+    repository_index,
+    unload_model,
+)
 from bpcompile.serving.emit import add_version, emit_repository, set_version_policy  # noqa: E402
 from bpcompile.serving.serve import ServerProcess  # noqa: E402
 from tests.serving_fixtures import make_engine  # noqa: E402
 
 pytestmark = pytest.mark.server
 
-PROMPTS = ["The quick brown fox", "def main():", "Unicode: 日本語 and € and 😀", "Lists are mutable sequences",
-           "import os", "class Foo:", "Error handling with try", "for i in range(10):", "Numbers: 3.14159",
-           "Hello, world!", "The with statement", "yield from", "lambda x: x", "a = [1, 2, 3]",
-           "Strings are immutable", "async def f():"]
+PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "Unicode: 日本語 and € and 😀",
+    "Lists are mutable sequences",
+    "import os",
+    "class Foo:",
+    "Error handling with try",
+    "for i in range(10):",
+    "Numbers: 3.14159",
+    "Hello, world!",
+    "The with statement",
+    "yield from",
+    "lambda x: x",
+    "a = [1, 2, 3]",
+    "Strings are immutable",
+    "async def f():",
+]
 MAX_TOKENS = 20
 
 
@@ -94,8 +117,9 @@ def test_http_generate_endpoint_raw(server, reference, tokenizer):
     """Plain JSON as tensorrtllm_backend's README sends it; streamed as server-sent events."""
     p = PROMPTS[0]
     body = json.dumps({"text_input": p, "max_tokens": MAX_TOKENS}).encode()
-    with urllib.request.urlopen(urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/generate",
-                                                       data=body), timeout=60) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/generate", data=body), timeout=60
+    ) as r:
         d = json.loads(r.read())
     assert d["text_output"] == tokenizer.decode(reference[p])
     assert 0.0 <= d["acceptance_rate"] <= 1.0 and d["total_draft_tokens"] >= d["total_accepted_draft_tokens"]
@@ -106,8 +130,13 @@ def test_http_generate_endpoint_raw(server, reference, tokenizer):
 def test_grpc_streaming_is_incremental_and_matches(server, reference, tokenizer):
     for p in PROMPTS[:4]:
         pieces, times = [], []
-        r = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=True,
-                            on_text=lambda t: (pieces.append(t), times.append(time.perf_counter())))
+        r = generate_remote(
+            server.grpc_url,
+            p,
+            MAX_TOKENS,
+            stream=True,
+            on_text=lambda t: (pieces.append(t), times.append(time.perf_counter())),
+        )
         whole = generate_remote(server.grpc_url, p, MAX_TOKENS, stream=False)
         assert r["token_ids"] == whole["token_ids"] == reference[p]
         assert "".join(pieces) == r["text"] == whole["text"] == tokenizer.decode(reference[p])
@@ -132,8 +161,12 @@ def stream_request(url, model, inputs: dict, outputs=None, request_id="") -> lis
     done: q.Queue = q.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: done.put(error or result))
-    client.async_stream_infer(model, tensors, request_id=request_id,
-                              outputs=[grpcclient.InferRequestedOutput(o) for o in outputs] if outputs else None)
+    client.async_stream_infer(
+        model,
+        tensors,
+        request_id=request_id,
+        outputs=[grpcclient.InferRequestedOutput(o) for o in outputs] if outputs else None,
+    )
     client.stop_stream()  # waits for the server to end the stream
     client.close()
     out = []
@@ -150,11 +183,17 @@ def backend_client_request(url, prompt, n, *, stream, exclude, **extra):
     arrays, beam_width, exclude_input_in_output, num_return_sequences and pad_id/end_id as its flags send them; one
     gRPC stream; only text_output requested), temperature 0 for a greedy reference. Returns the text as that client
     assembles it (streamed pieces appended), or raises with the server's error."""
-    inputs = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.ones([1, 1], np.int32) * n,
-              "stream": np.array([[stream]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
-              "temperature": np.array([[0.0]], dtype=np.float32), "num_return_sequences": np.array([[1]], np.int32),
-              "exclude_input_in_output": np.array([[exclude]], dtype=bool), "pad_id": np.array([[2]], np.int32),
-              **extra}
+    inputs = {
+        "text_input": np.array([[prompt]]).astype(object),
+        "max_tokens": np.ones([1, 1], np.int32) * n,
+        "stream": np.array([[stream]], dtype=bool),
+        "beam_width": np.array([[1]], dtype=np.int32),
+        "temperature": np.array([[0.0]], dtype=np.float32),
+        "num_return_sequences": np.array([[1]], np.int32),
+        "exclude_input_in_output": np.array([[exclude]], dtype=bool),
+        "pad_id": np.array([[2]], np.int32),
+        **extra,
+    }
     text = ""
     for r in stream_request(url, "ensemble", inputs, outputs=["text_output"]):
         piece = r.as_numpy("text_output")
@@ -172,9 +211,12 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=False) == p + want
         assert backend_client_request(url, p, MAX_TOKENS, stream=False, exclude=True) == want
         assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
-    refused = {"beam_width": np.array([[2]], np.int32), "num_return_sequences": np.array([[2]], np.int32),
-               "prompt_vocab_size": np.array([[5]], np.int32),
-               "lora_task_id": np.array([[7]], np.uint64)}
+    refused = {
+        "beam_width": np.array([[2]], np.int32),
+        "num_return_sequences": np.array([[2]], np.int32),
+        "prompt_vocab_size": np.array([[5]], np.int32),
+        "lora_task_id": np.array([[7]], np.uint64),
+    }
     for name, value in refused.items():
         with pytest.raises(RemoteError, match=name):
             backend_client_request(url, PROMPTS[0], 4, stream=False, exclude=True, **{name: value})
@@ -186,11 +228,19 @@ def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
     tensorrt_llm, its prepare_inputs' ten default inputs as [1, N] / [1, 1] arrays (temperature 1.0 and top-k 1 as
     its flags default, end_id -1 = none, pad_id 50256), all outputs. Returns its callback's view: per response
     output_ids[0][0] and sequence_length[0][0]."""
-    inputs = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
-              "request_output_len": np.array([[n]], np.int32), "beam_width": np.array([[1]], np.int32),
-              "temperature": np.array([[1.0]], np.float32), "streaming": np.array([[stream]], dtype=bool),
-              "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[50256]], np.int32),
-              "runtime_top_k": np.array([[1]], np.int32), "runtime_top_p": np.array([[0.0]], np.float32), **extra}
+    inputs = {
+        "input_ids": np.array([ids], np.int32),
+        "input_lengths": np.array([[len(ids)]], np.int32),
+        "request_output_len": np.array([[n]], np.int32),
+        "beam_width": np.array([[1]], np.int32),
+        "temperature": np.array([[1.0]], np.float32),
+        "streaming": np.array([[stream]], dtype=bool),
+        "end_id": np.array([[-1]], np.int32),
+        "pad_id": np.array([[50256]], np.int32),
+        "runtime_top_k": np.array([[1]], np.int32),
+        "runtime_top_p": np.array([[0.0]], np.float32),
+        **extra,
+    }
     responses = stream_request(url, "tensorrt_llm", inputs, request_id="1")
     if raw:
         return responses
@@ -199,8 +249,9 @@ def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
         ids_, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
         assert ids_.shape[:2] == (1, 1) and lens.shape == (1, 1) and r.as_numpy("batch_index")[0][0] == 0
         if "return_log_probs" in extra:
-            out.append((list(ids_[0][0]), list(r.as_numpy("output_log_probs")[0][0]),
-                        float(r.as_numpy("cum_log_probs")[0][0])))
+            out.append(
+                (list(ids_[0][0]), list(r.as_numpy("output_log_probs")[0][0]), float(r.as_numpy("cum_log_probs")[0][0]))
+            )
         else:
             out.append((list(ids_[0][0]), int(lens[0][0])))
     return out
@@ -217,10 +268,11 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     prompts = [tokenizer.encode(p).ids for p in PROMPTS[:3]]
     want_tokens = [t for t, _ in gen.generate(prompts, SamplingParams(max_tokens=16))]
     for ids, w in zip(prompts, want_tokens):
-        (got, n), = inflight_client_request(server.grpc_url, ids, 16, stream=False)
+        ((got, n),) = inflight_client_request(server.grpc_url, ids, 16, stream=False)
         assert got == w and n == 16
-        (got, n), = inflight_client_request(server.grpc_url, ids, 16, stream=False,
-                                            exclude_input_in_output=np.array([[False]]))
+        ((got, n),) = inflight_client_request(
+            server.grpc_url, ids, 16, stream=False, exclude_input_in_output=np.array([[False]])
+        )
         assert got == ids + w and n == len(ids) + 16
         parts = inflight_client_request(server.grpc_url, ids, 16, stream=True)
         assert len(parts) > 1 and [t for p, _ in parts for t in p] == w and all(len(p) == k for p, k in parts)
@@ -234,7 +286,7 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
         want += [lp for o in ref.step() if o.request_id == rid for lp in o.logprobs]
     # (greedy: the client's default top-k 1 makes every token's probability 1 under the distribution it samples)
     flag = {"return_log_probs": np.array([[True]]), "temperature": np.array([[0.0]], np.float32)}
-    (got, lps, cum), = inflight_client_request(server.grpc_url, prompts[0], 16, stream=False, **flag)
+    ((got, lps, cum),) = inflight_client_request(server.grpc_url, prompts[0], 16, stream=False, **flag)
     # (to float32 rounding: see the logits below)
     assert got == w0 and len(lps) == 16 and np.allclose(lps, want, atol=1e-4)
     assert abs(cum - sum(want)) < 1e-3
@@ -249,34 +301,62 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
         for o in ref.step():
             ctx = o.context_logits if o.context_logits is not None else ctx
             rows += [o.generation_logits] if o.new_tokens else []
-    results = inflight_client_request(server.grpc_url, prompts[1], 8, stream=False, raw=True,
-                                      return_context_logits=np.array([[True]]),
-                                      return_generation_logits=np.array([[True]]))
+    results = inflight_client_request(
+        server.grpc_url,
+        prompts[1],
+        8,
+        stream=False,
+        raw=True,
+        return_context_logits=np.array([[True]]),
+        return_generation_logits=np.array([[True]]),
+    )
     c, g = results[0].as_numpy("context_logits"), results[0].as_numpy("generation_logits")
     assert c.shape == (1, len(prompts[1]), ctx.shape[1]) and g.shape == (1, 1, 8, ctx.shape[1])
     # to float32 rounding: a step may multiply a token's row alone (the plain layout on CPU) or with a tree's rows
     # (the packed one), and which depends on the server's back-off state
-    assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(g[0, 0], np.concatenate(rows), rtol=1e-4, atol=1e-3)
+    assert np.allclose(c[0], ctx.numpy(), atol=1e-4) and np.allclose(
+        g[0, 0], np.concatenate(rows), rtol=1e-4, atol=1e-3
+    )
     # penalties and min_tokens: what the runtime does with them (tests/test_runtime.py checks the runtime's
     # repetition penalty against transformers' generate)
     pen = dict(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1)
     ref = Generator.from_engine(server.engines[1])
-    (want_pen, _), = ref.generate([prompts[2]], SamplingParams(max_tokens=16, **pen))
-    (got, n), = inflight_client_request(server.grpc_url, prompts[2], 16, stream=False,
-                                        temperature=np.array([[0.0]], np.float32),
-                                        **{k: np.array([[v]], np.float32) for k, v in pen.items()})
+    ((want_pen, _),) = ref.generate([prompts[2]], SamplingParams(max_tokens=16, **pen))
+    ((got, n),) = inflight_client_request(
+        server.grpc_url,
+        prompts[2],
+        16,
+        stream=False,
+        temperature=np.array([[0.0]], np.float32),
+        **{k: np.array([[v]], np.float32) for k, v in pen.items()},
+    )
     assert got == want_pen != want_tokens[2]
     # return_perf_metrics: the request's KV blocks (its whole reservation, none reused) and its timestamps in order
-    r, = inflight_client_request(server.grpc_url, prompts[0], 8, stream=False, raw=True,
-                                 return_perf_metrics=np.array([[True]]))
-    m = {k: int(r.as_numpy(k)[0][0]) for k in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
-                                              "kv_cache_alloc_total_blocks", "arrival_time_ns",
-                                              "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")}
+    (r,) = inflight_client_request(
+        server.grpc_url, prompts[0], 8, stream=False, raw=True, return_perf_metrics=np.array([[True]])
+    )
+    m = {
+        k: int(r.as_numpy(k)[0][0])
+        for k in (
+            "kv_cache_alloc_new_blocks",
+            "kv_cache_reused_blocks",
+            "kv_cache_alloc_total_blocks",
+            "arrival_time_ns",
+            "first_scheduled_time_ns",
+            "first_token_time_ns",
+            "last_token_time_ns",
+        )
+    }
     assert m["kv_cache_alloc_total_blocks"] == m["kv_cache_alloc_new_blocks"] >= -(-(len(prompts[0]) + 8) // 16)
     assert m["kv_cache_reused_blocks"] == 0
-    assert 0 < m["arrival_time_ns"] <= m["first_scheduled_time_ns"] <= m["first_token_time_ns"] <= m["last_token_time_ns"]
-    for name, value in {"draft_input_ids": np.array([[5, 6]], np.int32), "stop": np.array([[True]]),
-                        "runtime_top_p_decay": np.array([[0.5]], np.float32)}.items():
+    assert (
+        0 < m["arrival_time_ns"] <= m["first_scheduled_time_ns"] <= m["first_token_time_ns"] <= m["last_token_time_ns"]
+    )
+    for name, value in {
+        "draft_input_ids": np.array([[5, 6]], np.int32),
+        "stop": np.array([[True]]),
+        "runtime_top_p_decay": np.array([[0.5]], np.float32),
+    }.items():
         with pytest.raises(RemoteError, match=name):
             inflight_client_request(server.grpc_url, prompts[0], 4, stream=False, **{name: value})
 
@@ -328,22 +408,44 @@ def test_malformed_requests_get_clear_errors(server):
     text = lambda s: ("text_input", np.array([[s]], dtype=object), "BYTES")  # noqa: E731
     cases = {
         "missing text_input": ([("max_tokens", np.array([[4]], dtype=np.int32), "INT32")], "text_input"),
-        "max_tokens 0": ([text(b"hi"), ("max_tokens", np.array([[0]], dtype=np.int32), "INT32")], "max_tokens must be > 0"),
-        "max_tokens too big": ([text(b"hi"), ("max_tokens", np.array([[100000]], dtype=np.int32), "INT32")],
-                               "above this engine's limit"),
-        "wrong dtype": ([text(b"hi"), ("max_tokens", np.array([[4.0]], dtype=np.float32), "FP32")], "data-type is 'FP32'"),
+        "max_tokens 0": (
+            [text(b"hi"), ("max_tokens", np.array([[0]], dtype=np.int32), "INT32")],
+            "max_tokens must be > 0",
+        ),
+        "max_tokens too big": (
+            [text(b"hi"), ("max_tokens", np.array([[100000]], dtype=np.int32), "INT32")],
+            "above this engine's limit",
+        ),
+        "wrong dtype": (
+            [text(b"hi"), ("max_tokens", np.array([[4.0]], dtype=np.float32), "FP32")],
+            "data-type is 'FP32'",
+        ),
         "empty prompt": ([text(b"   "), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")], "empty"),
-        "invalid utf-8": ([text(b"\xff\xfe\xfa"), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
-                          "not valid UTF-8"),
+        "invalid utf-8": (
+            [text(b"\xff\xfe\xfa"), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
+            "not valid UTF-8",
+        ),
         "bad_words": ([text(b"hi"), ("bad_words", np.array([[b"foo"]], dtype=object), "BYTES")], "bad_words"),
         "top_p 1.5": ([text(b"hi"), ("top_p", np.array([[1.5]], dtype=np.float32), "FP32")], "top_p"),
-        "top_p nan": ([text(b"hi"), ("top_p", np.array([[np.nan]], dtype=np.float32), "FP32")], "top_p must be in [0, 1]"),
-        **{f"temperature {v}": ([text(b"hi"), ("temperature", np.array([[v]], dtype=np.float32), "FP32")],
-                                "temperature must be a finite number >= 0") for v in (np.nan, np.inf, -1.0)},
-        "stop_words not UTF-8": ([text(b"hi"), ("stop_words", np.array([[b"ok", b"\xff\xfeend"]], dtype=object), "BYTES")],
-                                 "stop_words is not valid UTF-8"),
-        "10 MB prompt": ([text(b"word " * (2 << 20)), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
-                         "text_input is 10485760 bytes, more than this engine can take"),
+        "top_p nan": (
+            [text(b"hi"), ("top_p", np.array([[np.nan]], dtype=np.float32), "FP32")],
+            "top_p must be in [0, 1]",
+        ),
+        **{
+            f"temperature {v}": (
+                [text(b"hi"), ("temperature", np.array([[v]], dtype=np.float32), "FP32")],
+                "temperature must be a finite number >= 0",
+            )
+            for v in (np.nan, np.inf, -1.0)
+        },
+        "stop_words not UTF-8": (
+            [text(b"hi"), ("stop_words", np.array([[b"ok", b"\xff\xfeend"]], dtype=object), "BYTES")],
+            "stop_words is not valid UTF-8",
+        ),
+        "10 MB prompt": (
+            [text(b"word " * (2 << 20)), ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")],
+            "text_input is 10485760 bytes, more than this engine can take",
+        ),
     }
     for model in ("ensemble", "tensorrt_llm"):  # the generator takes the ensemble's requests too
         for what, (inputs, expect) in cases.items():
@@ -367,10 +469,12 @@ def test_cancellation_stops_generation(server):
 
     c = _grpc_client(server.grpc_url)
     ins = []
-    for name, arr, dt in [("input_ids", np.array([[1, 500, 600]], dtype=np.int32), "INT32"),
-                          ("input_lengths", np.array([[3]], dtype=np.int32), "INT32"),
-                          ("request_output_len", np.array([[500]], dtype=np.int32), "INT32"),
-                          ("streaming", np.array([[True]]), "BOOL")]:
+    for name, arr, dt in [
+        ("input_ids", np.array([[1, 500, 600]], dtype=np.int32), "INT32"),
+        ("input_lengths", np.array([[3]], dtype=np.int32), "INT32"),
+        ("request_output_len", np.array([[500]], dtype=np.int32), "INT32"),
+        ("streaming", np.array([[True]]), "BOOL"),
+    ]:
         t = g.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         ins.append(t)

@@ -9,6 +9,7 @@ wait for their 400 tokens. What the generator does is read from the server itsel
 (bpcompile_generator_*: steps, requests, KV pages) and the line it logs for each cancellation, naming the
 generator step it was seen at.
 """
+
 from __future__ import annotations
 
 import os
@@ -89,8 +90,12 @@ def wait_for(what, check, timeout: float):
 
 def cancellations(s) -> list[int]:
     """The generator step at which each cancellation was seen (from the server's log)."""
-    return [int(m.group(1)) for m in re.finditer(r"generator: cancelled request .*; generator step (\d+)\)",
-                                                s.log_file.read_text(errors="replace"))]
+    return [
+        int(m.group(1))
+        for m in re.finditer(
+            r"generator: cancelled request .*; generator step (\d+)\)", s.log_file.read_text(errors="replace")
+        )
+    ]
 
 
 def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_path):
@@ -105,8 +110,10 @@ def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_
     solo = statistics.median(normal() for _ in range(3))
 
     ready = tmp_path / "ready"
-    killed = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, s.grpc_url, str(KILLED), str(KILLED_TOKENS),
-                               str(ready)], env={**os.environ, "PYTHONPATH": str(REPO)})
+    killed = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CLIENT, s.grpc_url, str(KILLED), str(KILLED_TOKENS), str(ready)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         wait_for("the killed client's streams", lambda: ready.exists() or killed.poll() is not None, 120)
         assert killed.poll() is None, "the client process failed before streaming"
@@ -115,8 +122,9 @@ def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_
 
         def stream(i: int):
             try:
-                live[i] = generate_remote(s.grpc_url, LIVE[i % len(LIVE)], LIVE_TOKENS, model="tensorrt_llm",
-                                          timeout=120)
+                live[i] = generate_remote(
+                    s.grpc_url, LIVE[i % len(LIVE)], LIVE_TOKENS, model="tensorrt_llm", timeout=120
+                )
             except Exception as e:  # reported below
                 errors.append(repr(e))
 
@@ -124,8 +132,9 @@ def test_disconnects_and_huge_prompts_do_not_stall_a_normal_request(served, tmp_
         for t in threads:
             t.start()
         # all 64 streams are in the generator (16 running, 48 queued behind them) when the 16 lose their client
-        wait_for("64 requests in the generator",
-                 lambda: metrics(s).get("bpcompile_generator_requests") == 64 or errors, 60)
+        wait_for(
+            "64 requests in the generator", lambda: metrics(s).get("bpcompile_generator_requests") == 64 or errors, 60
+        )
         steps_at_kill = metrics(s)["bpcompile_generator_steps_total"]
         killed.kill()
     finally:

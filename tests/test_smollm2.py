@@ -1,6 +1,7 @@
 """The shipped SmolLM2 drafts: the standalone one (models/smollm2/draft, a standard checkpoint with the verifier's
 tokenizer, its recorded held-out agreement recomputed through transformers on a sample) and the feature draft
 (models/smollm2/feature_draft, the recipe's: speculation with it greedy-identical and well accepted)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,9 @@ VERIFIER = ROOT / "models" / "smollm2" / "verifier"
 DRAFT = ROOT / "models" / "smollm2" / "draft"
 FEATURE_DRAFT = ROOT / "models" / "smollm2" / "feature_draft"
 TAU_FLOOR = 1.6  # the feature draft on these three questions (above 1.8 here; a misaligned feature gives about 1.0)
-needs_verifier = pytest.mark.skipif(not (VERIFIER / "config.json").is_file(),
-                                    reason="no SmolLM2 verifier checkpoint (bash scripts/setup.sh fetches it)")
+needs_verifier = pytest.mark.skipif(
+    not (VERIFIER / "config.json").is_file(), reason="no SmolLM2 verifier checkpoint (bash scripts/setup.sh fetches it)"
+)
 
 
 def metrics() -> dict:
@@ -35,7 +37,7 @@ def test_shipped_draft_is_small_and_standard():
 def test_shipped_feature_draft_is_small_and_fits_the_verifier():
     """The recipe's feature draft: under 64 MB, its tensors the shapes the verifier implies (the build's own check),
     and its recorded held-out agreement well above the standalone draft's."""
-    from bpcompile.build import hf
+    from bpcompile.compiler import hf
 
     files = {p.name: p.stat().st_size for p in FEATURE_DRAFT.iterdir()}
     assert {"config.json", "model.safetensors", "metrics.json"} <= set(files)
@@ -54,7 +56,7 @@ def test_corpus_windows_carry_the_tokenizer_s_own_bos_from_a_directory_or_transf
     so both calibrate the same plan."""
     from transformers import AutoTokenizer
 
-    from bpcompile.build import corpus
+    from bpcompile.compiler import corpus
 
     hf = AutoTokenizer.from_pretrained(VERIFIER)
     assert hf.bos_token_id == 1 and hf("a").input_ids == hf("a", add_special_tokens=False).input_ids
@@ -82,7 +84,7 @@ def test_recorded_heldout_agreement_recomputes():
     spec = importlib.util.spec_from_file_location("distill", ROOT / "scripts" / "distill_smollm2_draft.py")
     distill = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(distill)
-    from bpcompile.build import corpus
+    from bpcompile.compiler import corpus
 
     m = metrics()["heldout_pydoc"]
     tok = AutoTokenizer.from_pretrained(VERIFIER)
@@ -95,7 +97,9 @@ def test_recorded_heldout_agreement_recomputes():
     assert got == pytest.approx(m["per_window"][:k], abs=3 / 256)
     # the sample is representative of the recorded figure, and the draft is far from chance
     assert sum(got) / k == pytest.approx(m["top1_agreement"], abs=0.12)
-    assert m["top1_agreement"] > 0.25  # the shipped draft: 0.28 on pydoc windows (weak: see docs/benchmarks/smollm2_pair.md)
+    assert (
+        m["top1_agreement"] > 0.25
+    )  # the shipped draft: 0.28 on pydoc windows (weak: see docs/benchmarks/smollm2_pair.md)
 
 
 @needs_verifier
@@ -107,9 +111,9 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from bpcompile.build.convert import convert_checkpoint
-    from bpcompile.runtime.model import FeatureDraft, Llama
+    from bpcompile.compiler.convert import convert_checkpoint
     from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
+    from bpcompile.runtime.model import FeatureDraft, Llama
     from bpcompile.runtime.paged_kv import float_store_factory
 
     convert_checkpoint(VERIFIER, tmp_path / "v")
@@ -117,8 +121,12 @@ def test_speculation_on_the_real_pair_is_greedy_identical(tmp_path):
     v, d = Llama.from_checkpoint(tmp_path / "v"), Llama.from_checkpoint(tmp_path / "d")
     tok = AutoTokenizer.from_pretrained(VERIFIER)
     questions = ["What is a Python generator?", "Explain list comprehensions briefly.", "What does `with` do?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False) for q in questions]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in questions
+    ]
     fp16 = float_store_factory(torch.float16)
     p = SamplingParams(max_tokens=32)
     plain = Generator(v, None, TreeSpec("none"), max_batch_size=3, max_seq_len=256, kv_store_factory=fp16)
@@ -167,21 +175,31 @@ def test_smollm2_recipe_builds_and_answers(tmp_path):
     # entries a step), and in the runtime's pool of 8 sequences with the KLT tables
     assert plan.rotation == "hadamard" and (plan.sink_tokens, plan.recent_window) == (0, 10)
     assert plan.compression_vs_fp16(2048, 6) >= 3.5
-    wide = {(i, t, h, x) for i, layer in enumerate(plan.precision) for t in "kv" for h, x in enumerate(layer[t])
-            if x != "int4"}
-    assert wide == ({(i, "k", h, "klt6") for i in range(10) for h in range(3)}
-                    | {(i, "k", h, "klt5") for i in range(10, 20) for h in range(3)}
-                    | {(i, "v", h, "int3") for i in range(30) if not 10 <= i < 20 for h in range(3)}), wide
+    wide = {
+        (i, t, h, x)
+        for i, layer in enumerate(plan.precision)
+        for t in "kv"
+        for h, x in enumerate(layer[t])
+        if x != "int4"
+    }
+    assert wide == (
+        {(i, "k", h, "klt6") for i in range(10) for h in range(3)}
+        | {(i, "k", h, "klt5") for i in range(10, 20) for h in range(3)}
+        | {(i, "v", h, "int3") for i in range(30) if not 10 <= i < 20 for h in range(3)}
+    ), wide
     vcfg = ModelConfig.from_trtllm(json.loads((Path(out["path"]) / "verifier" / "config.json").read_text()))
     assert allocated_compression(plan, vcfg, 2048, 6, sequences=8) >= 3.5
-    res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "What is the capital of France?",
-                                    "--max-tokens", "16", "--json"])
+    res = CliRunner().invoke(
+        main, ["generate", out["path"], "--prompt", "What is the capital of France?", "--max-tokens", "16", "--json"]
+    )
     assert res.exit_code == 0, res.output
     gen = json.loads(res.stdout)
     assert gen["chat_template"] and "Paris" in gen["text"], gen["text"]
     # the recipe's draft is the feature draft: copied into the version, and its trees are accepted
     assert json.loads((Path(out["path"]) / "draft" / "config.json").read_text())["architecture"] == "FeatureDraft"
-    res = CliRunner().invoke(main, ["generate", out["path"], "--prompt", "Explain what a Python generator is.",
-                                    "--max-tokens", "32", "--json"])
+    res = CliRunner().invoke(
+        main,
+        ["generate", out["path"], "--prompt", "Explain what a Python generator is.", "--max-tokens", "32", "--json"],
+    )
     gen = json.loads(res.stdout)  # a one-line answer may not draft long enough to be accepted; this one is
     assert gen["tree"] == "dynamic" and gen["accepted_per_depth"][0] > 0, {k: gen[k] for k in gen if k != "tokens"}

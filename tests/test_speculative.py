@@ -1,4 +1,5 @@
 """Draft trees, TensorRT-LLM's packed tree mask, and the losslessness of speculative sampling."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,18 +8,30 @@ import random
 
 import pytest
 import torch
+from conftest import one_thread, random_llama  # noqa: F401  (one_thread: fixture)
 
 from bpcompile.core.errors import UserError
-from bpcompile.runtime.model import ModelConfig
-from bpcompile.runtime.generator import Generator, SamplingParams
 from bpcompile.kernels.tree_mask import pack_tree_mask, unpack_tree_mask
-from bpcompile.runtime.speculative import (AcceptanceCalibration, DraftTree, DynamicBuilder, Sampling, StaticBuilder, TreeSpec, parse_tree_spec, probs_from_logits, residual_rule, sort_choices)
-from conftest import one_thread, random_llama  # noqa: F401  (one_thread: fixture)
+from bpcompile.runtime.generator import Generator, SamplingParams
+from bpcompile.runtime.model import ModelConfig
+from bpcompile.runtime.speculative import (
+    AcceptanceCalibration,
+    DraftTree,
+    DynamicBuilder,
+    Sampling,
+    StaticBuilder,
+    TreeSpec,
+    parse_tree_spec,
+    probs_from_logits,
+    residual_rule,
+    sort_choices,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------ packed mask
+
 
 def _brute_mask(parents):
     """Independent construction: dense bool G x G by walking up the parents, packed bit by bit with numpy."""
@@ -74,7 +87,7 @@ def test_static_tree_follows_trtllm_node_order():
     while todo:
         todo = b.expand({n: torch.arange(10.0) for n in todo})
     paths = [()] + order
-    expect = torch.tensor([[pi[:len(pj)] == pj for pj in paths] for pi in paths])
+    expect = torch.tensor([[pi[: len(pj)] == pj for pj in paths] for pi in paths])
     assert torch.equal(unpack_tree_mask(tree.packed_mask(), len(paths)), expect)
     assert tree.depths == [len(p) for p in paths]  # position offsets
     assert tree.tokens[1:] == [9 - p[-1] for p in order]
@@ -162,14 +175,16 @@ def test_probs_from_logits_top_k_top_p():
 # ----------------------------------------------------------------------------- losslessness (stats)
 
 VOCAB = 8
-CFG = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_size=16,
-                  intermediate_size=64)
+CFG = ModelConfig(
+    vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_size=16, intermediate_size=64
+)
 PROMPT = [1, 2, 3]
 SAMPLING = dict(temperature=0.9, top_k=7)
 
 
 def _exact_t2_t3(verifier):
     """P(t2, t3) of plain sampling from the verifier: enumerate t1 and t2 (8 + 64 contexts)."""
+
     def dist(ctxs):
         lg = verifier(torch.tensor(ctxs))[:, -1]
         return torch.stack([probs_from_logits(row, **SAMPLING) for row in lg])
@@ -205,8 +220,13 @@ def _subset_feature_draft(verifier, ids):
     g = torch.Generator().manual_seed(5)
     w = {k: v for k, v in random_llama(CFG, seed=2, scale=0.3).w.items() if k.startswith("transformer.layers.0.")}
     H = CFG.hidden_size
-    w.update({"fc.weight": torch.randn(H, 2 * H, generator=g) / H ** 0.5, "fc.bias": torch.zeros(H),
-              "vocab_subset": torch.tensor(ids)})
+    w.update(
+        {
+            "fc.weight": torch.randn(H, 2 * H, generator=g) / H**0.5,
+            "fc.bias": torch.zeros(H),
+            "vocab_subset": torch.tensor(ids),
+        }
+    )
     return FeatureDraft(replace(CFG, num_layers=1), w, verifier)
 
 
@@ -240,8 +260,11 @@ def broken_rule(p, q, token, u):
     return (u * float(q[token]) < float(p[token])), p
 
 
-TREES = {"chain": TreeSpec("chain", length=2), "static": TreeSpec("static", choices=[[0], [1], [0, 0], [1, 0]]),
-         "dynamic": TreeSpec("dynamic", nodes=4)}
+TREES = {
+    "chain": TreeSpec("chain", length=2),
+    "static": TreeSpec("static", choices=[[0], [1], [0, 0], [1, 0]]),
+    "dynamic": TreeSpec("dynamic", nodes=4),
+}
 N_SAMPLES = 6000
 
 

@@ -2,6 +2,7 @@
 files, emission into directories bpcompile does not own (or into the store), two engine names in one
 repository, a half-published repository version, concurrent emission, stale staging, broken version
 directories, and what the manifest says about a stage that did not run."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,17 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from bpcompile.build.pipeline import build
-from bpcompile.cli import main
-from bpcompile.core.store import EngineStore
 from pairs import make_pair, write_recipe
+
+from bpcompile.cli import main
+from bpcompile.compiler.pipeline import build
+from bpcompile.core.store import EngineStore
 
 pytest.importorskip("tritonclient.grpc")
 
-from bpcompile.serving.emit import JOURNAL, MARKER, SUMMARY, VERSIONED  # noqa: E402
 from conftest import write_engine_config  # noqa: E402
+
+from bpcompile.serving.emit import JOURNAL, MARKER, SUMMARY, VERSIONED  # noqa: E402
 
 EMIT = "triton: {emit: true}\n"
 
@@ -62,6 +64,7 @@ def repo_versions(repo: Path) -> dict[str, list[int]]:
 
 # --- tokenizer side files --------------------------------------------------------------------------------
 
+
 def test_symlinked_side_file_leading_out_of_the_checkpoint_is_refused(tmp_path, pair):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-TOKEN")
@@ -70,8 +73,11 @@ def test_symlinked_side_file_leading_out_of_the_checkpoint_is_refused(tmp_path, 
     assert r.exit_code == 2, r.output
     assert "special_tokens_map.json" in r.stderr and "symbolic link" in r.stderr
     assert EngineStore(tmp_path / "engines").versions("t") == []
-    leaked = [f for f in tmp_path.rglob("*") if f.is_file() and not f.is_symlink() and f != secret
-              and b"TOP-SECRET" in f.read_bytes()]
+    leaked = [
+        f
+        for f in tmp_path.rglob("*")
+        if f.is_file() and not f.is_symlink() and f != secret and b"TOP-SECRET" in f.read_bytes()
+    ]
     assert leaked == []
 
 
@@ -94,6 +100,7 @@ def test_links_inside_the_checkpoint_and_the_hf_cache_layout_build(tmp_path, pai
 
 
 # --- where emission may write ------------------------------------------------------------------------------
+
 
 def test_emission_refuses_a_directory_it_does_not_own(tmp_path, pair):
     repo = tmp_path / "shared"
@@ -139,6 +146,7 @@ def test_one_engine_name_per_repository(tmp_path, pair):
 
 # --- a repository version is whole or absent ---------------------------------------------------------------
 
+
 def test_half_published_version_is_repaired_not_reported_up_to_date(tmp_path, pair):
     """What emission used to leave when killed during the generator copy: preprocessing/2 and postprocessing/2
     without generator/2. The next build must not call that up to date."""
@@ -148,7 +156,7 @@ def test_half_published_version_is_repaired_not_reported_up_to_date(tmp_path, pa
     v2 = build(recipe, force=True)
     shutil.rmtree(repo / "tensorrt_llm" / "2")
     lines = []
-    from bpcompile.build.pipeline import Reporter
+    from bpcompile.compiler.pipeline import Reporter
 
     out = build(recipe, reporter=Reporter(log=lines.append))
     assert not out.created and out.version == 2
@@ -175,11 +183,17 @@ def test_concurrent_emission_into_one_repository(tmp_path, pair):
     repo = tmp_path / "repo"
     emit_repository([(1, engines[0])], repo)
     go = tmp_path / "go"
-    code = ("import sys, time, pathlib\nfrom bpcompile.serving.emit import publish_version\n"
-            "go = pathlib.Path(sys.argv[1])\nwhile not go.exists(): time.sleep(0.002)\n"
-            "publish_version(sys.argv[2], sys.argv[3], int(sys.argv[4]))\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(go), str(repo), str(e), str(v)],
-                              stderr=subprocess.PIPE, text=True) for v, e in enumerate(engines[1:], start=2)]
+    code = (
+        "import sys, time, pathlib\nfrom bpcompile.serving.emit import publish_version\n"
+        "go = pathlib.Path(sys.argv[1])\nwhile not go.exists(): time.sleep(0.002)\n"
+        "publish_version(sys.argv[2], sys.argv[3], int(sys.argv[4]))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(go), str(repo), str(e), str(v)], stderr=subprocess.PIPE, text=True
+        )
+        for v, e in enumerate(engines[1:], start=2)
+    ]
     time.sleep(3)  # all four waiting at the start line (imports done)
     go.touch()
     errs = [p.communicate(timeout=120)[1] for p in procs]
@@ -192,15 +206,24 @@ def test_concurrent_emission_into_one_repository(tmp_path, pair):
 
 # --- what killed builds leave in the store -------------------------------------------------------------
 
+
 def test_stale_staging_is_removed_and_a_running_builds_is_kept(tmp_path, pair):
     d = tmp_path / "engines" / "t"
     (d / ".staging-dead00000000" / "verifier").mkdir(parents=True)  # its build is gone: nobody holds the lock
     (d / ".staging-dead00000000.lock").touch()
     live = d / ".staging-live00000000"
     (live / "verifier").mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock\n"
-                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(120)",
-                               f"{live}.lock"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from filelock import FileLock\n"
+            "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(120)",
+            f"{live}.lock",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert build(recipe_with(tmp_path, pair)).version == 1
@@ -228,6 +251,7 @@ def test_version_directories_without_a_valid_manifest_are_skipped(tmp_path, pair
 
 
 # --- the manifest and the recipe ------------------------------------------------------------------------
+
 
 def test_a_kernel_stage_that_did_not_apply_is_recorded_as_skipped(tmp_path, pair):
     pytest.importorskip("triton")

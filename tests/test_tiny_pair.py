@@ -2,8 +2,9 @@
 held-out text, the draft agreeing with it often enough to speculate, and models/tiny/metrics.json true.
 
 Recomputed here through transformers (as any consumer loads them), independently of the training
-script: the held-out split of bpcompile.build.corpus, cut into windows of <s> + 255 tokens.
+script: the held-out split of bpcompile.compiler.corpus, cut into windows of <s> + 255 tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from bpcompile.build import corpus
 from conftest import TINY
+
+from bpcompile.compiler import corpus
 
 SEQ = 256
 
@@ -30,13 +31,13 @@ def heldout():
     for doc in corpus.heldout_documents():
         ids += tok.encode(doc, add_special_tokens=False) + [tok.eos_token_id]
     body = SEQ - 1
-    rows = [ids[s:s + body] for s in range(0, len(ids) - body + 1, body)]
+    rows = [ids[s : s + body] for s in range(0, len(ids) - body + 1, body)]
     x = torch.tensor([[tok.bos_token_id] + r for r in rows])
     logits = {}
     with torch.no_grad():
         for kind in ("verifier", "draft"):
             m = AutoModelForCausalLM.from_pretrained(TINY / kind, dtype=torch.float32).eval()
-            logits[kind] = torch.cat([m(input_ids=x[i:i + 8]).logits.float() for i in range(0, len(x), 8)])
+            logits[kind] = torch.cat([m(input_ids=x[i : i + 8]).logits.float() for i in range(0, len(x), 8)])
     return x, logits
 
 

@@ -1,5 +1,6 @@
 """The emitted repository, without a server: configs parse with Triton's own schema, the ensemble is wired,
 versions are added without touching what is served, and the streamed-text contract telescopes."""
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,13 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
+from conftest import write_engine_config  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from bpcompile.core.errors import UserError  # noqa: E402
 from bpcompile.serving import emit
-from bpcompile.serving.emit import (add_version, emit_repository, mc, publish_version, read_config,  # noqa: E402
-                                   set_version_policy)
+from bpcompile.serving.emit import add_version, emit_repository, mc, publish_version, read_config, set_version_policy  # noqa: E402
 from bpcompile.serving.protocol import context_window, delta_text, pack_words, unpack_words  # noqa: E402
-from conftest import write_engine_config  # noqa: E402
 
 TINY_TOK = Path(__file__).resolve().parents[1] / "models" / "tiny" / "verifier"
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
@@ -34,8 +34,13 @@ def engine_dir(root: Path, version: int, target: str = "native", **recipe) -> Pa
     (d / "tokenizer").mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(TINY_TOK / f, d / "tokenizer" / f)
-    r = {"name": "tiny", "target": target, "limits": {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512},
-         "speculative": {"tree": "dynamic", "nodes": 5}, "triton": {"version_policy": "latest", "generator_instances": 1}}
+    r = {
+        "name": "tiny",
+        "target": target,
+        "limits": {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512},
+        "speculative": {"tree": "dynamic", "nodes": 5},
+        "triton": {"version_policy": "latest", "generator_instances": 1},
+    }
     r.update(recipe)
     write_engine_config(d, **r)
     (d / "manifest.json").write_text(json.dumps({"name": "tiny", "version": version, "build_id": f"b{version}"}))
@@ -104,11 +109,26 @@ def test_native_repository_layout_and_semantics(repo):
     assert [i.count for i in post.instance_group] == [1]  # response order (emit.py)
     assert g.version_policy.latest.num_versions == 1
     names = {i.name for i in cfgs["ensemble"].input}
-    assert {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "end_id",
-            "stop_words", "bad_words"} <= names
+    assert {
+        "text_input",
+        "max_tokens",
+        "stream",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "end_id",
+        "stop_words",
+        "bad_words",
+    } <= names
     outs = {o.name for o in cfgs["ensemble"].output}
-    assert {"text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
-            "tokens_per_step"} <= outs
+    assert {
+        "text_output",
+        "acceptance_rate",
+        "total_accepted_draft_tokens",
+        "total_draft_tokens",
+        "tokens_per_step",
+    } <= outs
     for m in ("preprocessing", "tensorrt_llm", "postprocessing"):
         assert (repo / m / "1" / "model.py").is_file()
     assert (repo / "tensorrt_llm" / "1" / "engine" / "verifier" / "config.json").is_file()  # a copy
@@ -193,8 +213,9 @@ def test_tensorrt_llm_target(tmp_path):
 
 def _trtllm_engine(root: Path, version: int) -> Path:
     """A target tensorrt-llm version with a chain draft, and stand-ins for its two trtllm-build outputs."""
-    e = engine_dir(root, version, target="tensorrt-llm", speculative={"tree": "chain", "length": 4},
-                   kv_cache={"format": "fp8"})
+    e = engine_dir(
+        root, version, target="tensorrt-llm", speculative={"tree": "chain", "length": 4}, kv_cache={"format": "fp8"}
+    )
     for role in ("verifier", "draft"):
         (e / "trtllm" / role).mkdir(parents=True)
         (e / "trtllm" / role / "config.json").write_text("{}")
@@ -219,11 +240,19 @@ def test_tensorrt_llm_draft_target_pair_is_wired_as_the_backend_wires_it(tmp_pat
     (bls / "lib" / "decode.py").write_text("# stand-in\n")
     repo = tmp_path / "repo"
     out = emit_repository([(3, e)], repo, bls_source=bls)
-    assert set(out["models"]) == {"ensemble", "preprocessing", "tensorrt_llm", "tensorrt_llm_draft",
-                                  "tensorrt_llm_bls", "postprocessing"}
+    assert set(out["models"]) == {
+        "ensemble",
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_draft",
+        "tensorrt_llm_bls",
+        "postprocessing",
+    }
     cfgs = {m: read_config(repo / m / "config.pbtxt") for m in out["models"]}
     check_wiring(cfgs)
-    assert (repo / "tensorrt_llm_bls" / "3" / "model.py").is_file() and (repo / "tensorrt_llm_bls" / "3" / "lib").is_dir()
+    assert (repo / "tensorrt_llm_bls" / "3" / "model.py").is_file() and (
+        repo / "tensorrt_llm_bls" / "3" / "lib"
+    ).is_dir()
     assert (repo / "tensorrt_llm_draft" / "3").is_dir()
     table = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_bls_calls.json").read_text())
     b = cfgs["tensorrt_llm_bls"]
@@ -294,21 +323,46 @@ def _stand_in_bls(tmp_path: Path) -> Path:
 def test_preprocessing_declares_the_backends_interface(repo):
     """Its BLS (and ensemble) address tensorrtllm_backend's preprocessing by tensor name: every input and output
     of the backend's preprocessing/config.pbtxt (transcribed below) is declared with the same type."""
-    backend = {"inputs": {"QUERY": "TYPE_STRING", "DECODER_QUERY": "TYPE_STRING", "IMAGE_BYTES": "TYPE_UINT8",
-                          "IMAGE_URL": "TYPE_STRING", "IMAGES": "TYPE_STRING", "VIDEO_BYTES": "TYPE_UINT8",
-                          "REQUEST_OUTPUT_LEN": "TYPE_INT32", "BAD_WORDS_DICT": "TYPE_STRING",
-                          "STOP_WORDS_DICT": "TYPE_STRING", "EMBEDDING_BIAS_WORDS": "TYPE_STRING",
-                          "EMBEDDING_BIAS_WEIGHTS": "TYPE_FP32", "END_ID": "TYPE_INT32", "PAD_ID": "TYPE_INT32",
-                          "PROMPT_TABLE_EXTRA_ID": "TYPE_UINT64"},
-               "outputs": {"INPUT_ID": "TYPE_INT32", "REQUEST_INPUT_LEN": "TYPE_INT32", "DECODER_INPUT_ID": "TYPE_INT32",
-                           "REQUEST_DECODER_INPUT_LEN": "TYPE_INT32", "BAD_WORDS_IDS": "TYPE_INT32",
-                           "STOP_WORDS_IDS": "TYPE_INT32", "EMBEDDING_BIAS": "TYPE_FP32",
-                           "REQUEST_OUTPUT_LEN": "TYPE_INT32", "OUT_END_ID": "TYPE_INT32", "OUT_PAD_ID": "TYPE_INT32",
-                           "OUT_PROMPT_TABLE_EXTRA_IDS": "TYPE_UINT64", "PIXEL_VALUES": "TYPE_FP16",
-                           "ASPECT_RATIO_IDS": "TYPE_INT64", "ASPECT_RATIO_MASK": "TYPE_INT64",
-                           "CROSS_ATTENTION_MASK": "TYPE_INT64", "IMAGE_SIZES": "TYPE_INT64",
-                           "IS_VIDEO_INPUT": "TYPE_BOOL", "ATTENTION_MASK": "TYPE_INT64", "IMAGE_GRID_THW": "TYPE_INT64",
-                           "VISION_INPUT_ID": "TYPE_INT32"}}
+    backend = {
+        "inputs": {
+            "QUERY": "TYPE_STRING",
+            "DECODER_QUERY": "TYPE_STRING",
+            "IMAGE_BYTES": "TYPE_UINT8",
+            "IMAGE_URL": "TYPE_STRING",
+            "IMAGES": "TYPE_STRING",
+            "VIDEO_BYTES": "TYPE_UINT8",
+            "REQUEST_OUTPUT_LEN": "TYPE_INT32",
+            "BAD_WORDS_DICT": "TYPE_STRING",
+            "STOP_WORDS_DICT": "TYPE_STRING",
+            "EMBEDDING_BIAS_WORDS": "TYPE_STRING",
+            "EMBEDDING_BIAS_WEIGHTS": "TYPE_FP32",
+            "END_ID": "TYPE_INT32",
+            "PAD_ID": "TYPE_INT32",
+            "PROMPT_TABLE_EXTRA_ID": "TYPE_UINT64",
+        },
+        "outputs": {
+            "INPUT_ID": "TYPE_INT32",
+            "REQUEST_INPUT_LEN": "TYPE_INT32",
+            "DECODER_INPUT_ID": "TYPE_INT32",
+            "REQUEST_DECODER_INPUT_LEN": "TYPE_INT32",
+            "BAD_WORDS_IDS": "TYPE_INT32",
+            "STOP_WORDS_IDS": "TYPE_INT32",
+            "EMBEDDING_BIAS": "TYPE_FP32",
+            "REQUEST_OUTPUT_LEN": "TYPE_INT32",
+            "OUT_END_ID": "TYPE_INT32",
+            "OUT_PAD_ID": "TYPE_INT32",
+            "OUT_PROMPT_TABLE_EXTRA_IDS": "TYPE_UINT64",
+            "PIXEL_VALUES": "TYPE_FP16",
+            "ASPECT_RATIO_IDS": "TYPE_INT64",
+            "ASPECT_RATIO_MASK": "TYPE_INT64",
+            "CROSS_ATTENTION_MASK": "TYPE_INT64",
+            "IMAGE_SIZES": "TYPE_INT64",
+            "IS_VIDEO_INPUT": "TYPE_BOOL",
+            "ATTENTION_MASK": "TYPE_INT64",
+            "IMAGE_GRID_THW": "TYPE_INT64",
+            "VISION_INPUT_ID": "TYPE_INT32",
+        },
+    }
     pre = configs(repo)["preprocessing"]
     for kind, declared in (("inputs", pre.input), ("outputs", pre.output)):
         got = {i.name: mc.DataType.Name(i.data_type) for i in declared}
@@ -343,8 +397,12 @@ def test_version_policies_and_rollback(repo, tmp_path):
 
 
 def test_emit_reads_recipe_and_refuses_overwrite(tmp_path):
-    e = engine_dir(tmp_path / "engines", 1, triton={"version_policy": {"specific": [1]}, "generator_instances": 2},
-                   limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128})
+    e = engine_dir(
+        tmp_path / "engines",
+        1,
+        triton={"version_policy": {"specific": [1]}, "generator_instances": 2},
+        limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128},
+    )
     s = emit_repository([(1, e)], tmp_path / "repo", tree={"kind": "none"})
     g = read_config(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt")
     assert s["max_batch_size"] == 4 and g.max_batch_size == 4 and g.instance_group[0].count == 2
@@ -425,8 +483,13 @@ def test_a_switch_killed_halfway_is_finished_by_repair(tmp_path):
     e1, e2 = engine_dir(tmp_path / "engines", 1), engine_dir(tmp_path / "engines", 2)
     emit_repository([(1, e1)], repo)
     code = "import sys; from bpcompile.serving.emit import add_version; add_version(sys.argv[1], 2, sys.argv[2])"
-    r = subprocess.run([sys.executable, "-c", code, str(repo), str(e2)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "BPCOMPILE_FAULT_AT": "switch"})
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(repo), str(e2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "BPCOMPILE_FAULT_AT": "switch"},
+    )
     assert r.returncode == -9, r.stderr
     assert (repo / "preprocessing" / "2").is_dir() and not (repo / "tensorrt_llm" / "2").exists()
     assert any("finished an interrupted switch" in x for x in emit.repair_repository(repo))
@@ -437,6 +500,7 @@ def test_a_switch_killed_halfway_is_finished_by_repair(tmp_path):
 
 
 # --- the streamed-text contract ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -487,5 +551,8 @@ def test_word_lists_round_trip():
 
 
 def test_models_dir_has_the_three_python_models():
-    assert sorted(p.name for p in emit.MODELS_DIR.glob("*.py")) == ["generator.py", "postprocessing.py",
-                                                                     "preprocessing.py"]
+    assert sorted(p.name for p in emit.MODELS_DIR.glob("*.py")) == [
+        "generator.py",
+        "postprocessing.py",
+        "preprocessing.py",
+    ]

@@ -2,6 +2,7 @@
 and config values, non-tokenizers, malformed indexes, YAML alias bombs, device files posing as weights,
 llama3 context arithmetic, unknown recipe keys, kernel-incompatible head sizes, over-long prompts.
 Each is refused up front with exit code 2 and a message naming what and where."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import write_engine_config  # noqa: E402
+from pairs import make_pair, write_recipe
 
 from bpcompile.cli import main
 from bpcompile.core.errors import UserError
-from pairs import make_pair, write_recipe
-from conftest import write_engine_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,8 +37,14 @@ def run(*args):
 
 def run_subprocess(*args, timeout=120):
     """The CLI in a child process: the cases here used to hang, and a hang must fail the test, not stall it."""
-    r = subprocess.run([sys.executable, "-m", "bpcompile.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, "-m", "bpcompile.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     return r.returncode, r.stdout + r.stderr
 
 
@@ -54,10 +61,11 @@ def edit_config(d: Path, **changes) -> None:
 
 # ------------------------------------------------------------------------------ safetensors headers
 
+
 def split_file(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def write_file(path: Path, header, data: bytes) -> None:
@@ -71,7 +79,9 @@ def _layer(h, i, name):
 
 
 def overlapping(h, data):  # layer 1's q_proj reads layer 0's bytes: "a layer equal to another"
-    _layer(h, 1, "self_attn.q_proj.weight")["data_offsets"] = list(_layer(h, 0, "self_attn.q_proj.weight")["data_offsets"])
+    _layer(h, 1, "self_attn.q_proj.weight")["data_offsets"] = list(
+        _layer(h, 0, "self_attn.q_proj.weight")["data_offsets"]
+    )
     return h, data
 
 
@@ -123,8 +133,18 @@ def float_shape(h, data):
     return h, data
 
 
-CORRUPTIONS = [overlapping, reversed_, negative, short, gap, shape_mismatch, truncated, trailing, not_an_object,
-               float_shape]
+CORRUPTIONS = [
+    overlapping,
+    reversed_,
+    negative,
+    short,
+    gap,
+    shape_mismatch,
+    truncated,
+    trailing,
+    not_an_object,
+    float_shape,
+]
 
 
 def corrupt(src: Path, dst: Path, how) -> Path:
@@ -138,7 +158,7 @@ def test_patching_alone_keeps_a_valid_checkpoint(tmp_path, pair):
     """The control for the corruption cases: rewriting the header unchanged leaves a file both readers accept."""
     from safetensors import safe_open
 
-    from bpcompile.build.hf import TensorReader
+    from bpcompile.compiler.hf import TensorReader
 
     v = corrupt(pair[0], tmp_path / "v", lambda h, data: (h, data))
     code, out = run("validate", write_recipe(tmp_path / "r.yaml", v, pair[1]))
@@ -155,7 +175,7 @@ def test_corrupt_safetensors_header_is_refused(tmp_path, pair, how):
 
     v = corrupt(pair[0], tmp_path / "v", how)
     # the safetensors library refuses the same file: we are at least as strict as the format's own reader
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (whatever the format's own reader raises)
         with safe_open(v / "model.safetensors", "pt") as f:
             [f.get_tensor(k) for k in f.keys()]
     code, out = run("validate", write_recipe(tmp_path / "r.yaml", v, pair[1]))
@@ -163,7 +183,8 @@ def test_corrupt_safetensors_header_is_refused(tmp_path, pair, how):
     assert "model.safetensors" in out and "models.verifier.path" in out and "Traceback" not in out
     code, out = run("inspect", v)
     assert code == 2 and "model.safetensors" in out, out
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.compiler.convert import convert_checkpoint
+
     with pytest.raises(UserError):
         convert_checkpoint(v, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -180,6 +201,7 @@ def test_header_length_over_the_library_limit(tmp_path, pair):
 
 # ------------------------------------------------------------------------------ recipe limits and YAML
 
+
 def recipe_with(tmp_path, pair, limits=None, extra="") -> Path:
     p = write_recipe(tmp_path / "r.yaml", *pair, extra=extra)
     if limits:
@@ -188,41 +210,51 @@ def recipe_with(tmp_path, pair, limits=None, extra="") -> Path:
 
 
 def test_absurd_batch_size_is_refused(tmp_path, pair):
-    code, out = run("validate", recipe_with(tmp_path, pair, "limits: {max_batch_size: 1000000, max_input_len: 64, "
-                                                            "max_seq_len: 128}"))
+    code, out = run(
+        "validate",
+        recipe_with(tmp_path, pair, "limits: {max_batch_size: 1000000, max_input_len: 64, max_seq_len: 128}"),
+    )
     assert code == 2 and "limits.max_batch_size" in out and "4096" in out, out
 
 
 def test_kv_pool_that_does_not_fit_in_memory_is_refused(tmp_path, pair):
     """4096 sequences of 2**20 tokens: terabytes of KV cache even for this 2-layer model."""
-    code, out = run("validate", recipe_with(tmp_path, pair, "limits: {max_batch_size: 4096, max_input_len: 64, "
-                                                            "max_seq_len: 1048576}"))
+    code, out = run(
+        "validate",
+        recipe_with(tmp_path, pair, "limits: {max_batch_size: 4096, max_input_len: 64, max_seq_len: 1048576}"),
+    )
     assert code == 2 and "limits.max_batch_size" in out and "would take" in out and "memory" in out, out
 
 
 def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
-    from bpcompile.build.calibrate import int5_key_layers, int6_key_layers
-    from bpcompile.build.hf import read_hf_config
-    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
     import torch
 
-    from bpcompile.build.plan import kv_pool_bytes
-    from bpcompile.build.recipe import load_recipe
-    from bpcompile.runtime.paged_kv import float_store_factory
+    from bpcompile.compiler.calibrate import int5_key_layers, int6_key_layers
+    from bpcompile.compiler.convert import convert_checkpoint
+    from bpcompile.compiler.hf import read_hf_config
+    from bpcompile.compiler.plan import kv_pool_bytes
+    from bpcompile.compiler.recipe import load_recipe
     from bpcompile.runtime.generator import Generator
-    from bpcompile.runtime.speculative import TreeSpec
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
     from bpcompile.runtime.model import Llama
+    from bpcompile.runtime.paged_kv import float_store_factory
+    from bpcompile.runtime.speculative import TreeSpec
 
     models = {}
     for role, d in zip(("verifier", "draft"), pair):
         convert_checkpoint(d, tmp_path / role)
         models[role] = Llama.from_checkpoint(tmp_path / role)
     for fmt in ("fp16", "int4-fp8-outlier"):
-        loaded = load_recipe(recipe_with(tmp_path, pair, extra="") if fmt == "fp16" else
-                             _with_kv(recipe_with(tmp_path, pair), "kv_cache: {format: int4-fp8-outlier, group_size: 16, "
-                                                                   "outlier_fraction: 0.25, int6_keys: early, "
-                                                                   "key_transform: none}"))
+        loaded = load_recipe(
+            recipe_with(tmp_path, pair, extra="")
+            if fmt == "fp16"
+            else _with_kv(
+                recipe_with(tmp_path, pair),
+                "kv_cache: {format: int4-fp8-outlier, group_size: 16, "
+                "outlier_fraction: 0.25, int6_keys: early, "
+                "key_transform: none}",
+            )
+        )
         r = loaded.recipe
         vcfg = models["verifier"].cfg
         factory = float_store_factory(torch.float16)  # what Generator.from_engine gives format fp16
@@ -230,26 +262,42 @@ def test_kv_pool_estimate_matches_what_the_runtime_allocates(tmp_path, pair):
             plan = KVPlan.uniform(fmt, vcfg.num_layers, vcfg.num_kv_heads, vcfg.head_size, group_size=16)
             # the recipe's autos on the native target with INT6 keys asked for without KLT: an FP16 window, whose
             # copies the estimate counts, the middle third's keys in INT5 and two thirds of the values in INT3
-            assert (r.kv_cache.sink_tokens, r.kv_cache.recent_window, r.kv_cache.int5_keys, r.kv_cache.int6_keys,
-                    r.kv_cache.int3_values) == (0, 11, "middle", "early", 0.6667)
+            assert (
+                r.kv_cache.sink_tokens,
+                r.kv_cache.recent_window,
+                r.kv_cache.int5_keys,
+                r.kv_cache.int6_keys,
+                r.kv_cache.int3_values,
+            ) == (0, 11, "middle", "early", 0.6667)
             for layer in int5_key_layers("middle", vcfg.num_layers):
                 plan.precision[layer]["k"] = ["int5"] * vcfg.num_kv_heads
             for layer in int6_key_layers("early", vcfg.num_layers):
                 plan.precision[layer]["k"] = ["int6"] * vcfg.num_kv_heads
             values = [(layer, h) for layer in range(vcfg.num_layers) for h in range(vcfg.num_kv_heads)]
-            for layer, h in values[:round(0.6667 * len(values))]:  # which ones does not change the bytes
+            for layer, h in values[: round(0.6667 * len(values))]:  # which ones does not change the bytes
                 plan.precision[layer]["v"][h] = "int3"
             # then outlier_fraction 0.25 of the units in FP8, among the rest
             n = round(0.25 * 2 * vcfg.num_layers * vcfg.num_kv_heads)
-            rest = [(layer, t, h) for layer in range(vcfg.num_layers) for t in "kv" for h in range(vcfg.num_kv_heads)
-                    if plan.precision[layer][t][h] == "int4"]
+            rest = [
+                (layer, t, h)
+                for layer in range(vcfg.num_layers)
+                for t in "kv"
+                for h in range(vcfg.num_kv_heads)
+                if plan.precision[layer][t][h] == "int4"
+            ]
             for layer, t, h in rest[:n]:
                 plan.precision[layer][t][h] = "fp8"
             plan.sink_tokens, plan.recent_window = r.kv_cache.sink_tokens, r.kv_cache.recent_window
             factory = kv_store_factory(plan)
-        gen = Generator(models["verifier"], models["draft"], TreeSpec(r.speculative.tree, nodes=r.speculative.nodes),
-                        max_batch_size=r.limits.max_batch_size, max_seq_len=r.limits.max_seq_len,
-                        page_size=r.kv_cache.page_size, kv_store_factory=factory)
+        gen = Generator(
+            models["verifier"],
+            models["draft"],
+            TreeSpec(r.speculative.tree, nodes=r.speculative.nodes),
+            max_batch_size=r.limits.max_batch_size,
+            max_seq_len=r.limits.max_seq_len,
+            page_size=r.kv_cache.page_size,
+            kv_store_factory=factory,
+        )
         allocated = gen.vkv.nbytes() + gen.dkv.nbytes()
         estimate = kv_pool_bytes(r, read_hf_config(pair[0]), read_hf_config(pair[1]))
         assert 0.95 * allocated <= estimate <= 1.05 * allocated + 4096, (fmt, estimate, allocated)
@@ -289,6 +337,7 @@ def test_oversized_and_non_utf8_recipes_are_refused(tmp_path, pair):
 
 # ------------------------------------------------------------------------------ model config and files
 
+
 def test_huge_layer_count_is_refused_against_the_tensors(tmp_path, pair):
     v = copy_model(pair[0], tmp_path / "v")
     edit_config(v, num_hidden_layers=10**8)
@@ -296,17 +345,27 @@ def test_huge_layer_count_is_refused_against_the_tensors(tmp_path, pair):
     code, out = run_subprocess("validate", write_recipe(tmp_path / "r.yaml", v, pair[1]), timeout=60)
     assert code == 2 and "num_hidden_layers" in out and "2 layers" in out, out
     assert time.perf_counter() - t < 30
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.compiler.convert import convert_checkpoint
+
     with pytest.raises(UserError, match="num_hidden_layers"):
         convert_checkpoint(v, tmp_path / "out")
 
 
-@pytest.mark.parametrize("key,value", [("rope_theta", "ten thousand"), ("rms_norm_eps", "1e-5"),
-                                       ("rms_norm_eps", [1e-5]), ("rope_theta", True), ("rms_norm_eps", -1.0),
-                                       ("tie_word_embeddings", "false"),
-                                       ("rope_scaling", {"rope_type": "linear", "factor": "2"}),
-                                       ("rope_scaling", "linear"), ("dtype", ["float32"]),
-                                       ("num_attention_heads", 2**40)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("rope_theta", "ten thousand"),
+        ("rms_norm_eps", "1e-5"),
+        ("rms_norm_eps", [1e-5]),
+        ("rope_theta", True),
+        ("rms_norm_eps", -1.0),
+        ("tie_word_embeddings", "false"),
+        ("rope_scaling", {"rope_type": "linear", "factor": "2"}),
+        ("rope_scaling", "linear"),
+        ("dtype", ["float32"]),
+        ("num_attention_heads", 2**40),
+    ],
+)
 def test_bad_config_values_are_refused(tmp_path, pair, key, value):
     v = copy_model(pair[0], tmp_path / "v")
     edit_config(v, **{key: value})
@@ -358,21 +417,31 @@ def test_fifo_among_hashed_inputs_is_refused_without_hanging(tmp_path, pair):
 
 # ------------------------------------------------------------------------------ rope context
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64,
-          "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
 
 
-@pytest.mark.parametrize("scaling,seq,ok", [
-    (LLAMA3, 512, True),     # max_position_embeddings (512) already is the extended context ...
-    (LLAMA3, 1024, False),   # ... so it is not multiplied by the factor again
-    ({"rope_type": "linear", "factor": 4.0}, 2048, True),   # linear scaling stretches the trained 512 tokens
-    ({"rope_type": "linear", "factor": 4.0}, 2049, False),
-])
+@pytest.mark.parametrize(
+    "scaling,seq,ok",
+    [
+        (LLAMA3, 512, True),  # max_position_embeddings (512) already is the extended context ...
+        (LLAMA3, 1024, False),  # ... so it is not multiplied by the factor again
+        ({"rope_type": "linear", "factor": 4.0}, 2048, True),  # linear scaling stretches the trained 512 tokens
+        ({"rope_type": "linear", "factor": 4.0}, 2049, False),
+    ],
+)
 def test_rope_scaling_context(tmp_path, pair, scaling, seq, ok):
     v = copy_model(pair[0], tmp_path / "v")
     edit_config(v, rope_scaling=scaling)
-    code, out = run("validate", recipe_with(tmp_path, (v, pair[1]), f"limits: {{max_batch_size: 4, max_input_len: 64, "
-                                                                   f"max_seq_len: {seq}}}"))
+    code, out = run(
+        "validate",
+        recipe_with(tmp_path, (v, pair[1]), f"limits: {{max_batch_size: 4, max_input_len: 64, max_seq_len: {seq}}}"),
+    )
     if ok:
         assert code == 0, out
     else:
@@ -407,8 +476,9 @@ def test_kernel_path_falls_back_for_head_size_48():
     outs = {}
     for mode in ("torch", "triton"):
         env = dict(os.environ, BPCOMPILE_KERNELS=mode, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-        r = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], capture_output=True, text=True, env=env,
-                           timeout=300, cwd=REPO)
+        r = subprocess.run(
+            [sys.executable, "-c", KERNEL_SCRIPT], capture_output=True, text=True, env=env, timeout=300, cwd=REPO
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         outs[mode] = (json.loads(r.stdout.strip().splitlines()[-1]), r.stderr)
     assert outs["triton"][0] == outs["torch"][0] and all(len(t) == 8 for t in outs["torch"][0])
@@ -419,7 +489,7 @@ def test_kernel_path_falls_back_for_head_size_48():
 
 def test_native_runtime_enforces_max_input_len(tmp_path, pair):
 
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.compiler.convert import convert_checkpoint
     from bpcompile.runtime.generator import Generator, SamplingParams
     from bpcompile.runtime.speculative import TreeSpec
 
@@ -431,13 +501,13 @@ def test_native_runtime_enforces_max_input_len(tmp_path, pair):
     with pytest.raises(UserError, match=r"9 tokens, more than limits.max_input_len \(8\)"):
         gen.add_request(list(range(1, 10)), p)
     assert not gen.has_work()
-    (out, _), = gen.generate([list(range(1, 9))], p)  # exactly max_input_len is fine
+    ((out, _),) = gen.generate([list(range(1, 9))], p)  # exactly max_input_len is fine
     assert len(out) == 4
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
 def test_native_runtime_refuses_non_finite_temperature(tmp_path, pair, temperature):
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.compiler.convert import convert_checkpoint
     from bpcompile.runtime.generator import Generator, SamplingParams
     from bpcompile.runtime.speculative import TreeSpec
 

@@ -1,5 +1,5 @@
 """The engine checkpoint format, TensorRT-LLM 1.2's (`config.json` + `rank{N}.safetensors`): the contract between
-the converter (bpcompile.build.convert writes it) and the runtime (merge_ranks reads it back).
+the converter (bpcompile.compiler.convert writes it) and the runtime (merge_ranks reads it back).
 
 Names and tensor-parallel splits follow TensorRT-LLM's own Llama checkpoint converter:
 
@@ -24,6 +24,7 @@ converter does. TRT-LLM's loader only lets lm_head be absent when the same rank 
 `vocab_embedding` (pp=1), so writing it is the one choice that loads for every pp.
 `tie_word_embeddings` is kept in config.json, and `merge_ranks` drops lm_head again for tied models.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,9 +56,14 @@ GLOBAL_NAMES = {
 }
 # How a TRT-LLM tensor is split over tp (by suffix); anything not listed is replicated.
 SPLIT = {
-    "attention.qkv.weight": "qkv", "attention.qkv.bias": "qkv",
-    "attention.dense.weight": "row", "mlp.proj.weight": "row",
-    "mlp.fc.weight": "col", "mlp.fc.bias": "col", "mlp.gate.weight": "col", "mlp.gate.bias": "col",
+    "attention.qkv.weight": "qkv",
+    "attention.qkv.bias": "qkv",
+    "attention.dense.weight": "row",
+    "mlp.proj.weight": "row",
+    "mlp.fc.weight": "col",
+    "mlp.fc.bias": "col",
+    "mlp.gate.weight": "col",
+    "mlp.gate.bias": "col",
     "lm_head.weight": "col",
 }
 _LAYER_RE = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
@@ -97,8 +103,10 @@ def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: i
     """
     if tp > num_kv_heads:
         rep = tp // num_kv_heads
-        k, v = (t.reshape(num_kv_heads, -1, *t.shape[1:]).repeat_interleave(rep, dim=0).reshape(-1, *t.shape[1:])
-                for t in (k, v))
+        k, v = (
+            t.reshape(num_kv_heads, -1, *t.shape[1:]).repeat_interleave(rep, dim=0).reshape(-1, *t.shape[1:])
+            for t in (k, v)
+        )
     qs, ks, vs = (t.split(t.shape[0] // tp, dim=0) for t in (q, k, v))
     return [torch.cat([qs[r], ks[r], vs[r]], dim=0) for r in range(tp)]
 
@@ -196,11 +204,19 @@ def load_rank(ckpt_dir: str | Path, rank: int, tp: int) -> tuple[dict, dict[str,
     m = cfg.get("mapping", {})
     have_tp, pp = m.get("tp_size", 1), m.get("pp_size", 1)
     if pp != 1:
-        raise UserError(f"the native runtime runs tensor parallelism only (this checkpoint has pp={pp}); "
-                        "run it at tp 1 (its ranks merged) or rebuild with parallel.pp: 1", file=str(d), key="pp")
+        raise UserError(
+            f"the native runtime runs tensor parallelism only (this checkpoint has pp={pp}); "
+            "run it at tp 1 (its ranks merged) or rebuild with parallel.pp: 1",
+            file=str(d),
+            key="pp",
+        )
     if have_tp != tp:
-        raise UserError(f"checkpoint converted for tp={have_tp}, asked to run at tp={tp}: run at tp {have_tp} "
-                        f"(or 1, merged), or rebuild with parallel.tp: {tp}", file=str(d), key="tp")
+        raise UserError(
+            f"checkpoint converted for tp={have_tp}, asked to run at tp={tp}: run at tp {have_tp} "
+            f"(or 1, merged), or rebuild with parallel.tp: {tp}",
+            file=str(d),
+            key="tp",
+        )
     path = d / f"rank{rank}.safetensors"
     if not path.is_file():
         raise UserError(f"missing {path.name} (tp={tp} needs {tp} rank files)", file=str(d))

@@ -3,6 +3,7 @@
 The recipe's engine-facing sections are defined here (the recipe composes them, so a default has one home);
 the build writes the resolved sections as `engine.json` into the version, and the runtime, the repository
 emitter and the Triton models read it back with `EngineConfig.load`, never the YAML."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,7 +37,9 @@ class Limits(_Strict):
     @model_validator(mode="after")
     def _input_fits(self):
         if self.max_input_len >= self.max_seq_len:
-            raise ValueError(f"max_input_len ({self.max_input_len}) must be smaller than max_seq_len ({self.max_seq_len})")
+            raise ValueError(
+                f"max_input_len ({self.max_input_len}) must be smaller than max_seq_len ({self.max_seq_len})"
+            )
         return self
 
 
@@ -50,57 +53,78 @@ AUTO_INT3_VALUES = 0.6667
 class KVCache(_Strict):
     format: Literal["int4-fp8-outlier", "fp8", "int8", "fp16"] = "int4-fp8-outlier"
     outlier_fraction: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
-        "auto", description="share of (layer, head, K|V) units kept in FP8; auto: 0 with INT5 keys, 0.01 with "
-                            "exact entries, else 0.08")
+        "auto",
+        description="share of (layer, head, K|V) units kept in FP8; auto: 0 with INT5 keys, 0.01 with "
+        "exact entries, else 0.08",
+    )
     sink_tokens: Union[Annotated[int, Field(ge=0, le=1024)], Literal["auto"]] = Field(
-        "auto", description="first positions of a sequence whose K/V are also kept in FP16 and read exact; "
-                            "auto: 0 (an exact sink lowered long-context passkey retrieval on SmolLM2)")
+        "auto",
+        description="first positions of a sequence whose K/V are also kept in FP16 and read exact; "
+        "auto: 0 (an exact sink lowered long-context passkey retrieval on SmolLM2)",
+    )
     recent_window: Union[Annotated[int, Field(ge=0, le=4096)], Literal["auto"]] = Field(
-        "auto", description="a query reads the K/V of the newest positions up to its own (this many, itself "
-                            "included) from an FP16 copy; auto: for int4-fp8-outlier on the native target with "
-                            "the torch executor 10 with INT5 keys (also with INT6 and KLT keys; 11 with INT6 keys "
-                            "and no KLT, 7 with KLT keys and no INT5 ones, 16 without INT5 keys: what 3.5x leaves on "
-                            "SmolLM2), else 0")
+        "auto",
+        description="a query reads the K/V of the newest positions up to its own (this many, itself "
+        "included) from an FP16 copy; auto: for int4-fp8-outlier on the native target with "
+        "the torch executor 10 with INT5 keys (also with INT6 and KLT keys; 11 with INT6 keys "
+        "and no KLT, 7 with KLT keys and no INT5 ones, 16 without INT5 keys: what 3.5x leaves on "
+        "SmolLM2), else 0",
+    )
     group_size: int = Field(64, ge=8, description="INT4 elements per scale along the head dimension")
     page_size: int = Field(16, ge=1, le=4096, description="tokens per KV page")
     rotation: Literal["auto", "hadamard", "none"] = Field(
-        "auto", description="store K and V Hadamard-rotated (keys centered and query-scaled first); auto: where "
-                            "the head size is a power of two")
+        "auto",
+        description="store K and V Hadamard-rotated (keys centered and query-scaled first); auto: where "
+        "the head size is a power of two",
+    )
     outlier_precision: Literal["fp8", "int8"] = Field("fp8", description="precision of the outlier units")
     retrieval_fraction: Union[Annotated[float, Field(ge=0.0, le=0.5)], Literal["auto"]] = Field(
-        "auto", description="share of units holding the keys of retrieval heads (found with needle-in-a-haystack "
-                            "probes on the calibration text) stored in INT8; auto: 0.015 for int4-fp8-outlier with "
-                            "exact entries and no INT5 keys, else 0")
+        "auto",
+        description="share of units holding the keys of retrieval heads (found with needle-in-a-haystack "
+        "probes on the calibration text) stored in INT8; auto: 0.015 for int4-fp8-outlier with "
+        "exact entries and no INT5 keys, else 0",
+    )
     int5_keys: Literal["auto", "middle", "none"] = Field(
-        "auto", description="keys stored in INT5: 'middle' = those of the middle third of the layers. auto: middle "
-                            "for int4-fp8-outlier with an exact window (on SmolLM2 INT4 noise in those keys, next "
-                            "to exact recent keys, changed what the model retrieves from 4k tokens back), else none")
+        "auto",
+        description="keys stored in INT5: 'middle' = those of the middle third of the layers. auto: middle "
+        "for int4-fp8-outlier with an exact window (on SmolLM2 INT4 noise in those keys, next "
+        "to exact recent keys, changed what the model retrieves from 4k tokens back), else none",
+    )
 
     int6_keys: Literal["auto", "early", "none"] = Field(
-        "auto", description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
-                            "to pay for them: read by the torch executor only). auto: early with INT5 keys and "
-                            "key_transform: klt at tp 1, the default there (on SmolLM2 the three together kept "
-                            "passkey retrieval within 2 points of FP16 KV's at every length), else none")
+        "auto",
+        description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
+        "to pay for them: read by the torch executor only). auto: early with INT5 keys and "
+        "key_transform: klt at tp 1, the default there (on SmolLM2 the three together kept "
+        "passkey retrieval within 2 points of FP16 KV's at every length), else none",
+    )
     int3_values: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
-        "auto", description="share of the value units stored in INT3, the least sensitive first, those of the "
-                            f"INT5 keys' layers last; auto: {AUTO_INT3_VALUES} with INT6 keys (the values outside "
-                            "the INT5 keys' layers: what pays for them at 3.5x on SmolLM2), else 0")
+        "auto",
+        description="share of the value units stored in INT3, the least sensitive first, those of the "
+        f"INT5 keys' layers last; auto: {AUTO_INT3_VALUES} with INT6 keys (the values outside "
+        "the INT5 keys' layers: what pays for them at 3.5x on SmolLM2), else 0",
+    )
 
     key_transform: Literal["auto", "klt", "none"] = Field(
-        "auto", description="klt: the INT4 / INT5 / INT6 keys of the first two thirds of the layers stored as "
-                            "coefficients of a calibrated basis before RoPE, bits per coefficient by their variance, at "
-                            "the same bytes per token plus a D x D table per unit (read by the torch executor only). "
-                            "With INT5 keys and int6_keys' auto: the keys of the first third INT6, KLT6 / KLT5 in "
-                            "layers 0-19 on SmolLM2, INT3 values outside the middle third (passkey within 2 points of "
-                            "FP16 KV's at every length). auto: klt with INT5 keys at tp 1 unless int6_keys is none "
-                            "(the default on the native target with the torch executor), else none; none gives the "
-                            "INT5-keys plan")
+        "auto",
+        description="klt: the INT4 / INT5 / INT6 keys of the first two thirds of the layers stored as "
+        "coefficients of a calibrated basis before RoPE, bits per coefficient by their variance, at "
+        "the same bytes per token plus a D x D table per unit (read by the torch executor only). "
+        "With INT5 keys and int6_keys' auto: the keys of the first third INT6, KLT6 / KLT5 in "
+        "layers 0-19 on SmolLM2, INT3 values outside the middle third (passkey within 2 points of "
+        "FP16 KV's at every length). auto: klt with INT5 keys at tp 1 unless int6_keys is none "
+        "(the default on the native target with the torch executor), else none; none gives the "
+        "INT5-keys plan",
+    )
 
     @model_validator(mode="after")
     def _bands_with_int4(self):
-        for name, on in (("int5_keys", self.int5_keys == "middle"), ("int6_keys", self.int6_keys == "early"),
-                         ("int3_values", self.int3_values not in ("auto", 0, 0.0)),
-                         ("key_transform", self.key_transform == "klt")):
+        for name, on in (
+            ("int5_keys", self.int5_keys == "middle"),
+            ("int6_keys", self.int6_keys == "early"),
+            ("int3_values", self.int3_values not in ("auto", 0, 0.0)),
+            ("key_transform", self.key_transform == "klt"),
+        ):
             if on and self.format != "int4-fp8-outlier":
                 raise ValueError(f"{name} needs format int4-fp8-outlier, not {self.format}")
         return self
@@ -141,26 +165,32 @@ class Triton(_Strict):
             kind, n = next(iter(v.items())) if len(v) == 1 else (None, None)
             if isinstance(n, dict):  # the protobuf-shaped form, {latest: {num_versions: 2}}
                 n = n.get("num_versions" if kind == "latest" else "versions")
-            if not ((kind == "latest" and type(n) is int and n >= 1)
-                    or (kind == "specific" and isinstance(n, list) and n
-                        and all(type(x) is int and x >= 1 for x in n))):
-                raise ValueError("expected latest, all, {latest: N} with N >= 1, or {specific: [N, ...]} "
-                                 "of positive versions")
+            if not (
+                (kind == "latest" and type(n) is int and n >= 1)
+                or (kind == "specific" and isinstance(n, list) and n and all(type(x) is int and x >= 1 for x in n))
+            ):
+                raise ValueError(
+                    "expected latest, all, {latest: N} with N >= 1, or {specific: [N, ...]} of positive versions"
+                )
         return v
 
 
 class Runtime(_Strict):
     executor: Literal[EXECUTORS] = Field(
-        "torch", description="what runs the models: torch (their modules) or onnxruntime (the exported step "
-                             "graphs with the KV-cache and attention custom ops; implies onnx)")
+        "torch",
+        description="what runs the models: torch (their modules) or onnxruntime (the exported step "
+        "graphs with the KV-cache and attention custom ops; implies onnx)",
+    )
     onnx: bool = Field(False, description="export each model's step graphs into the version (onnx/)")
     cpu_weights: Literal["both", "rows", "packed", "plain"] = Field(
-        "both", description="float32 weights on CPU with the torch executor: both = the plain layout for one row "
-                            "(PyTorch's GEMV) and a second copy for products of several rows, multiplied by "
-                            "bpcompile's few-row kernel (up to 16 rows: a tree verify; built on first use with the "
-                            "C compiler, for AVX-512 CPUs) or, where that kernel is unavailable, oneDNN-packed; "
-                            "rows = one copy, the few-row kernel for one row too (~3% slower a decode step); "
-                            "packed = oneDNN-packed only; plain = PyTorch's plain products")
+        "both",
+        description="float32 weights on CPU with the torch executor: both = the plain layout for one row "
+        "(PyTorch's GEMV) and a second copy for products of several rows, multiplied by "
+        "bpcompile's few-row kernel (up to 16 rows: a tree verify; built on first use with the "
+        "C compiler, for AVX-512 CPUs) or, where that kernel is unavailable, oneDNN-packed; "
+        "rows = one copy, the few-row kernel for one row too (~3% slower a decode step); "
+        "packed = oneDNN-packed only; plain = PyTorch's plain products",
+    )
 
     @property
     def wants_onnx(self) -> bool:
@@ -237,8 +267,10 @@ class EngineConfig(_Strict):
         try:
             return cls.model_validate_json(f.read_text())
         except FileNotFoundError:
-            raise UserError(f"{engine_dir} is not an engine version: {ENGINE_FILE} is missing "
-                            "(rebuild it with this bpcompile)", file=str(f)) from None
+            raise UserError(
+                f"{engine_dir} is not an engine version: {ENGINE_FILE} is missing (rebuild it with this bpcompile)",
+                file=str(f),
+            ) from None
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(map(str, first["loc"]))

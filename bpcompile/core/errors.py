@@ -1,4 +1,5 @@
 """Error types that map onto the CLI's exit codes: UserError -> 2 (bad input), anything else -> 1."""
+
 from __future__ import annotations
 
 

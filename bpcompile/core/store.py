@@ -14,6 +14,7 @@ What a killed build (SIGKILL, power aside) or a full disk leaves behind, and who
   whose manifest is already written. A numbered directory without a readable manifest (copied in by
   hand, say) is not a version: it is skipped, reported by `incomplete`, and its number is not reused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -224,8 +225,9 @@ class EngineStore:
             # every numbered directory counts, complete or not: a number is never given out twice
             taken = [int(p.name) for p in filter(_numbered, (self.root / name).iterdir())]
             n = max(taken, default=0) + 1
-            manifest = dict(manifest, name=name, version=n,
-                            published=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+            manifest = dict(
+                manifest, name=name, version=n, published=datetime.now(timezone.utc).isoformat(timespec="seconds")
+            )
             manifest["artifacts"] = artifact_hashes(staged)
             manifest["bytes"] = sum(a["bytes"] for a in manifest["artifacts"].values())
             (staged / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -265,5 +267,7 @@ def engine_version_dir(ref: str, default_store: str | Path = "engines") -> Path:
             return EngineStore(p.parent).resolve(p.name).path
         return EngineStore(default_store).resolve(ref).path
     except (FileNotFoundError, ValueError):
-        raise UserError(f"no engine version at {ref!r} (give a version directory such as engines/tiny/1, "
-                        f"or NAME[/N] of ./{default_store})") from None
+        raise UserError(
+            f"no engine version at {ref!r} (give a version directory such as engines/tiny/1, "
+            f"or NAME[/N] of ./{default_store})"
+        ) from None

@@ -10,6 +10,7 @@ relative attention-output error per layer (same q/k/v, quantized vs FP16 cache),
 from the bytes the store allocates. `inject_key_outliers` builds the function-preserving
 outlier-injected model the INT4+FP8 plan must clearly win on.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from bpcompile.compiler.calibrate import KVCalibConfig, measure_units, plan_from_measurement
 from bpcompile.core.errors import UserError
-from bpcompile.build.calibrate import KVCalibConfig, measure_units, plan_from_measurement
-from bpcompile.runtime.kvcache import FloatKVStore, KVPlan, make_kv_store
+from bpcompile.runtime.kvcache import KVPlan, make_kv_store
 from bpcompile.runtime.model import Llama, causal_attend
 from bpcompile.runtime.paged_kv import RecentKV, allocated_compression, cache_pages, dense_attention, exact_reads  # noqa: F401
 
@@ -49,8 +50,9 @@ def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_er
     t = torch.arange(T, device=tokens.device)
 
     def attend(layer, q, k, v):
-        store.write(layer, slots, k.reshape(B * T, c.num_kv_heads, -1), v.reshape(B * T, c.num_kv_heads, -1),
-                    t.repeat(B))
+        store.write(
+            layer, slots, k.reshape(B * T, c.num_kv_heads, -1), v.reshape(B * T, c.num_kv_heads, -1), t.repeat(B)
+        )
         kh, vh = (x.reshape(k.shape).to(q.dtype) for x in store.read(layer, slots))
         if plan.has_exact:
             o = attend_exact(q, kh, vh, k, v, plan, t, t, t[None, :] <= t[:, None])
@@ -79,25 +81,36 @@ def _fp16_plan(c) -> KVPlan:
     return KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
 
 
-def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], batch: int = 8,
-             seq_len: int = 2048, lookahead: int = 6, sequences: int = 1) -> dict:
+def evaluate(
+    verifier: Llama,
+    plans: dict,
+    heldout_token_ids: list[list[int]],
+    batch: int = 8,
+    seq_len: int = 2048,
+    lookahead: int = 6,
+    sequences: int = 1,
+) -> dict:
     """plans: {name: KVPlan or format name ('fp16', 'fp8', 'int8', 'int4-naive')}. Returns a report dict
     with one row per plan and a markdown table under "markdown". seq_len, lookahead, sequences: the allocation
     compression is reported for (an engine's max_seq_len, largest tree and max_batch_size: the runtime's pool);
     "compression_one_sequence" is the same at one sequence (per-engine tables weigh most there)."""
     c = verifier.cfg
-    plans = {n: (p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size))
-             for n, p in plans.items()}
+    plans = {
+        n: (p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size))
+        for n, p in plans.items()
+    }
     seqs = torch.tensor(heldout_token_ids, dtype=torch.long)
     ref_plan = _fp16_plan(c)
     ref_logp = []  # reference: FP16 KV cache
     for i in range(0, len(seqs), batch):
-        ref_logp.append(F.log_softmax(cached_forward(verifier, seqs[i:i + batch].to(verifier.device), ref_plan).cpu().float(), -1))
+        ref_logp.append(
+            F.log_softmax(cached_forward(verifier, seqs[i : i + batch].to(verifier.device), ref_plan).cpu().float(), -1)
+        )
     rows = []
     for name, plan in plans.items():
         seq_nll, seq_kl, agree, errs = [], [], 0, [[0.0, 0.0] for _ in range(c.num_layers)]
         for b, i in enumerate(range(0, len(seqs), batch)):
-            tok = seqs[i:i + batch].to(verifier.device)
+            tok = seqs[i : i + batch].to(verifier.device)
             logits = cached_forward(verifier, tok, plan, errs).cpu().float()
             logp = F.log_softmax(logits, -1)
             seq_nll += (-logp[:, :-1].gather(-1, tok[:, 1:, None].cpu())).sum((1, 2)).tolist()
@@ -107,49 +120,76 @@ def evaluate(verifier: Llama, plans: dict, heldout_token_ids: list[list[int]], b
             seq_kl += F.kl_div(logp, ref_logp[b], log_target=True, reduction="none").sum((1, 2)).tolist()
         n = seqs[:, 1:].numel()
         nll, kl = sum(seq_nll), sum(seq_kl)
-        rows.append({"name": name, "format": plan.format, "outlier_fraction": plan.outlier_fraction,
-                     "fp8_units": sum(x == "fp8" for p in plan.precision for t in ("k", "v") for x in p[t]),
-                     "int8_units": sum(x == "int8" for p in plan.precision for t in ("k", "v") for x in p[t]),
-                     "int5_units": sum(x == "int5" for p in plan.precision for t in ("k", "v") for x in p[t]),
-                     "int6_units": sum(x == "int6" for p in plan.precision for t in ("k", "v") for x in p[t]),
-                     "int3_units": sum(x == "int3" for p in plan.precision for t in ("k", "v") for x in p[t]),
-                     "klt_units": sum(x.startswith("klt") for p in plan.precision for x in p["k"]),
-                     "compression_vs_fp16": round(allocated_compression(plan, c, seq_len, lookahead,
-                                                                        sequences=sequences), 4),
-                     "compression_one_sequence": round(allocated_compression(plan, c, seq_len, lookahead), 4),
-                     "ppl": math.exp(nll / n), "top1_agreement": agree / seqs.numel(),
-                     "kl_vs_fp16": kl / seqs.numel(),
-                     # per-sequence sums (NLL over predicted tokens, KL over positions): for paired statistics
-                     "seq_nll": seq_nll, "seq_kl": seq_kl,
-                     "attn_rel_error": [math.sqrt(a / max(b, 1e-30)) for a, b in errs]})
+        rows.append(
+            {
+                "name": name,
+                "format": plan.format,
+                "outlier_fraction": plan.outlier_fraction,
+                "fp8_units": sum(x == "fp8" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                "int8_units": sum(x == "int8" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                "int5_units": sum(x == "int5" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                "int6_units": sum(x == "int6" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                "int3_units": sum(x == "int3" for p in plan.precision for t in ("k", "v") for x in p[t]),
+                "klt_units": sum(x.startswith("klt") for p in plan.precision for x in p["k"]),
+                "compression_vs_fp16": round(
+                    allocated_compression(plan, c, seq_len, lookahead, sequences=sequences), 4
+                ),
+                "compression_one_sequence": round(allocated_compression(plan, c, seq_len, lookahead), 4),
+                "ppl": math.exp(nll / n),
+                "top1_agreement": agree / seqs.numel(),
+                "kl_vs_fp16": kl / seqs.numel(),
+                # per-sequence sums (NLL over predicted tokens, KL over positions): for paired statistics
+                "seq_nll": seq_nll,
+                "seq_kl": seq_kl,
+                "attn_rel_error": [math.sqrt(a / max(b, 1e-30)) for a, b in errs],
+            }
+        )
     base = next((r["ppl"] for r in rows if r["format"] == "fp16"), None)
     for r in rows:
         r["ppl_delta_pct"] = None if base is None else 100 * (r["ppl"] / base - 1)
-    report = {"tokens": int(seqs.numel()), "sequences": len(seqs), "seq_len": int(seqs.shape[1]), "rows": rows,
-              "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead, "sequences": sequences}}
+    report = {
+        "tokens": int(seqs.numel()),
+        "sequences": len(seqs),
+        "seq_len": int(seqs.shape[1]),
+        "rows": rows,
+        "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead, "sequences": sequences},
+    }
     report["markdown"] = markdown_table(report)
     return report
 
 
 def markdown_table(report: dict) -> str:
     nl = len(report["rows"][0]["attn_rel_error"]) if report["rows"] else 0
-    head = ("| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 / KLT units | compression (allocated; one sequence) | held-out ppl | Δppl | top-1 agreement | "
-            "KL vs FP16 KV (nats/token) | " + " | ".join(f"attn err L{i}" for i in range(nl)) + " |")
+    head = (
+        "| KV cache | FP8 / INT8 / INT5 / INT6 / INT3 / KLT units | compression (allocated; one sequence) | held-out ppl | Δppl | top-1 agreement | "
+        "KL vs FP16 KV (nats/token) | " + " | ".join(f"attn err L{i}" for i in range(nl)) + " |"
+    )
     lines = [head, "|" + "---|" * (7 + nl)]
     for r in report["rows"]:
         d = "" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
         units = " / ".join(str(r.get(f"{x}_units", 0)) for x in ("fp8", "int8", "int5", "int6", "int3", "klt"))
-        lines.append(f"| {r['name']} | {units} | "
-                     f"{r['compression_vs_fp16']:.2f}x; {r.get('compression_one_sequence', r['compression_vs_fp16']):.2f}x | {r['ppl']:.4f} | {d} | "
-                     f"{100 * r['top1_agreement']:.2f}% | {r['kl_vs_fp16']:.5f} | " + " | ".join(f"{e:.4f}" for e in r["attn_rel_error"]) + " |")
-    lines.append(f"\n{report['sequences']} sequences x {report['seq_len']} tokens ({report['tokens']} positions) of "
-                 f"{report.get('text', 'held-out text')}; agreement is against the same model with an FP16 KV cache. "
-                 + _allocation_note(report.get("compression_at")))
+        lines.append(
+            f"| {r['name']} | {units} | "
+            f"{r['compression_vs_fp16']:.2f}x; {r.get('compression_one_sequence', r['compression_vs_fp16']):.2f}x | {r['ppl']:.4f} | {d} | "
+            f"{100 * r['top1_agreement']:.2f}% | {r['kl_vs_fp16']:.5f} | "
+            + " | ".join(f"{e:.4f}" for e in r["attn_rel_error"])
+            + " |"
+        )
+    lines.append(
+        f"\n{report['sequences']} sequences x {report['seq_len']} tokens ({report['tokens']} positions) of "
+        f"{report.get('text', 'held-out text')}; agreement is against the same model with an FP16 KV cache. "
+        + _allocation_note(report.get("compression_at"))
+    )
     return "\n".join(lines)
 
 
-def standard_plans(verifier: Llama, calib_samples: list[list[int]], group_size: int = 64,
-                   fractions=STANDARD_FRACTIONS, extra: Optional[dict] = None) -> dict:
+def standard_plans(
+    verifier: Llama,
+    calib_samples: list[list[int]],
+    group_size: int = 64,
+    fractions=STANDARD_FRACTIONS,
+    extra: Optional[dict] = None,
+) -> dict:
     """FP16, FP8, naive INT4 and INT4 + FP8 outlier units at each fraction (one calibration pass)."""
     c = verifier.cfg
     plans = {"fp16": "fp16", "fp8": "fp8", "int4-naive": "int4-naive"}
@@ -194,8 +234,10 @@ def inject_key_outliers(verifier: Llama, factor: float = 20.0, heads=None, pairs
 # format; every later token reads the stored (dequantized) cache, its own K/V included.
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-                 "I will quiz you about the pass key.\n\n")
+PASSKEY_INTRO = (
+    "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the pass key.\n\n"
+)
 PASSKEY_QUESTION = "\n\nWhat is the pass key?"
 PASSKEY_ANSWER = "The pass key is"
 
@@ -228,7 +270,9 @@ def passkey_trials(tok, length: int, trials: int, seed: int = 0) -> list[dict]:
     out = []
     for _ in range(trials):
         key, depth = str(rng.randint(10000, 99999)), rng.randint(0, fill)
-        user = PASSKEY_INTRO + PASSKEY_FILLER * depth + key_line(key) + PASSKEY_FILLER * (fill - depth) + PASSKEY_QUESTION
+        user = (
+            PASSKEY_INTRO + PASSKEY_FILLER * depth + key_line(key) + PASSKEY_FILLER * (fill - depth) + PASSKEY_QUESTION
+        )
         prompt = _chat(tok, user)
         ids = enc(prompt + PASSKEY_ANSWER + " " + key)
         prompt_len = _common_prefix(ids, enc(prompt))
@@ -332,9 +376,16 @@ def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, se
     starts with the key verbatim ("verbatim": stricter, it also scores the wording). The prompt is prefilled
     once per trial; only the answer's decode steps run once per plan."""
     plans = _as_plans(verifier, plans)
-    res = {"lengths": list(lengths), "trials": trials, "seed": seed, "answer_tokens": PASSKEY_ANSWER_TOKENS,
-           "mean_prompt_tokens": {}, "accuracy": {n: {} for n in plans}, "verbatim": {n: {} for n in plans},
-           "hits": {n: {} for n in plans}}
+    res = {
+        "lengths": list(lengths),
+        "trials": trials,
+        "seed": seed,
+        "answer_tokens": PASSKEY_ANSWER_TOKENS,
+        "mean_prompt_tokens": {},
+        "accuracy": {n: {} for n in plans},
+        "verbatim": {n: {} for n in plans},
+        "hits": {n: {} for n in plans},
+    }
     for L in lengths:
         hits, verbatim = {n: [] for n in plans}, dict.fromkeys(plans, 0)
         ts = passkey_trials(tok, L, trials, seed)
@@ -347,15 +398,18 @@ def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, se
             for name, plan in plans.items():
                 out = greedy_answer(verifier, kv, ids[P:ks], plan, PASSKEY_ANSWER_TOKENS)
                 hits[name].append(int(key_in(tok.decode(out), t["key"])))
-                verbatim[name] += out[:len(ids) - ks] == ids[ks:]
+                verbatim[name] += out[: len(ids) - ks] == ids[ks:]
         res["mean_prompt_tokens"][str(L)] = round(sum(t["prompt_len"] for t in ts) / max(1, len(ts)), 1)
         for name in plans:
             res["accuracy"][name][str(L)] = sum(hits[name]) / max(1, trials)
             res["verbatim"][name][str(L)] = verbatim[name] / max(1, trials)
             res["hits"][name][str(L)] = hits[name]
     if "fp16" in plans:
-        res["vs_fp16"] = {n: {L: paired_difference(res["hits"][n][L], res["hits"]["fp16"][L], seed)
-                              for L in res["hits"][n]} for n in plans if n != "fp16"}
+        res["vs_fp16"] = {
+            n: {L: paired_difference(res["hits"][n][L], res["hits"]["fp16"][L], seed) for L in res["hits"][n]}
+            for n in plans
+            if n != "fp16"
+        }
     return res
 
 
@@ -371,38 +425,55 @@ def paired_difference(a: list[int], b: list[int], seed: int = 0, n_boot: int = 2
     g = torch.Generator().manual_seed(seed)
     boot = d[torch.randint(0, n, (n_boot, n), generator=g)].mean(1)
     lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"points": round(100 * d.mean().item(), 2), "only_this": int((d > 0).sum()), "only_fp16": int((d < 0).sum()),
-            "interval_points": [round(100 * lo, 2), round(100 * hi, 2)]}
+    return {
+        "points": round(100 * d.mean().item(), 2),
+        "only_this": int((d > 0).sum()),
+        "only_fp16": int((d < 0).sum()),
+        "interval_points": [round(100 * lo, 2), round(100 * hi, 2)],
+    }
 
 
 def greedy_parity(verifier: Llama, plans: dict, prompts: list[list[int]], tokens: int, batch: int = 16) -> dict:
     """Per plan: share of `tokens`-token greedy continuations identical to the FP16-KV one, and the mean
     length of the identical prefix. Runs the runtime's Generator (verifier-only, greedy) over each plan's
     real paged store, so it measures the cache serving uses."""
-    from bpcompile.runtime.kvcache import kv_store_factory
     from bpcompile.runtime.generator import Generator, SamplingParams
+    from bpcompile.runtime.kvcache import kv_store_factory
     from bpcompile.runtime.speculative import TreeSpec
 
     plans = _as_plans(verifier, {"fp16": "fp16", **plans})
     outs = {}
     for name, plan in plans.items():
         _progress(f"parity: {name} ({len(prompts)} prompts x {tokens} tokens)")
-        gen = Generator(verifier, None, TreeSpec("none"), max_batch_size=max(1, min(batch, len(prompts))),
-                        max_seq_len=max(map(len, prompts)) + tokens + 1, kv_store_factory=kv_store_factory(plan),
-                        device=str(verifier.device))
+        gen = Generator(
+            verifier,
+            None,
+            TreeSpec("none"),
+            max_batch_size=max(1, min(batch, len(prompts))),
+            max_seq_len=max(map(len, prompts)) + tokens + 1,
+            kv_store_factory=kv_store_factory(plan),
+            device=str(verifier.device),
+        )
         outs[name] = [toks for toks, _ in gen.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))]
     ref = outs["fp16"]
-    return {"prompts": len(prompts), "tokens": tokens, "prompt_tokens": len(prompts[0]) if prompts else 0,
-            "how": "runtime Generator, verifier-only greedy, each plan's paged KV store",
-            "identical": {n: sum(a == b for a, b in zip(o, ref)) / max(1, len(ref)) for n, o in outs.items()},
-            "mean_identical_prefix": {n: sum(_common_prefix(a, b) for a, b in zip(o, ref)) / max(1, len(ref))
-                                      for n, o in outs.items()}}
+    return {
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "prompt_tokens": len(prompts[0]) if prompts else 0,
+        "how": "runtime Generator, verifier-only greedy, each plan's paged KV store",
+        "identical": {n: sum(a == b for a, b in zip(o, ref)) / max(1, len(ref)) for n, o in outs.items()},
+        "mean_identical_prefix": {
+            n: sum(_common_prefix(a, b) for a, b in zip(o, ref)) / max(1, len(ref)) for n, o in outs.items()
+        },
+    }
 
 
 def _as_plans(verifier: Llama, plans: dict) -> dict:
     c = verifier.cfg
-    return {n: (p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size))
-            for n, p in plans.items()}
+    return {
+        n: (p if isinstance(p, KVPlan) else KVPlan.uniform(p, c.num_layers, c.num_kv_heads, c.head_size))
+        for n, p in plans.items()
+    }
 
 
 def _long_markdown(report: dict) -> str:
@@ -410,28 +481,48 @@ def _long_markdown(report: dict) -> str:
     pk = report.get("passkey")
     if pk:
         Ls = [str(L) for L in pk["lengths"]]
-        out += ["", "| KV cache | " + " | ".join(f"passkey @{L} (~{pk['mean_prompt_tokens'][L]:.0f} tok)" for L in Ls) + " |",
-                "|---|" + "---|" * len(Ls)]
-        out += [f"| {n} | " + " | ".join(f"{100 * a[L]:.1f}% ({100 * pk['verbatim'][n][L]:.0f}%)" for L in Ls) + " |"
-                for n, a in pk["accuracy"].items()]
-        out.append(f"\nPasskey retrieval: {pk['trials']} trials per length (random 5-digit key at a random depth; "
-                   f"retrieved when the {pk['answer_tokens']}-token greedy answer after \"The pass key is\" contains "
-                   "the key; in brackets, answers that start with the key verbatim).")
+        out += [
+            "",
+            "| KV cache | " + " | ".join(f"passkey @{L} (~{pk['mean_prompt_tokens'][L]:.0f} tok)" for L in Ls) + " |",
+            "|---|" + "---|" * len(Ls),
+        ]
+        out += [
+            f"| {n} | " + " | ".join(f"{100 * a[L]:.1f}% ({100 * pk['verbatim'][n][L]:.0f}%)" for L in Ls) + " |"
+            for n, a in pk["accuracy"].items()
+        ]
+        out.append(
+            f"\nPasskey retrieval: {pk['trials']} trials per length (random 5-digit key at a random depth; "
+            f'retrieved when the {pk["answer_tokens"]}-token greedy answer after "The pass key is" contains '
+            "the key; in brackets, answers that start with the key verbatim)."
+        )
         if pk.get("vs_fp16"):
-            out += ["", "| KV cache vs FP16 KV, same trials | " + " | ".join(f"@{L}" for L in Ls) + " |",
-                    "|---|" + "---|" * len(Ls)]
-            out += [f"| {n} | " + " | ".join(
-                f"{d['points']:+.0f} pts ({d['interval_points'][0]:+.0f} … {d['interval_points'][1]:+.0f}); "
-                f"{d['only_this']} only here, {d['only_fp16']} only FP16" for d in (v[L] for L in Ls)) + " |"
-                for n, v in pk["vs_fp16"].items()]
-            out.append("\nPaired difference in passkey accuracy, percentage points (95% paired-bootstrap interval), "
-                       "and the trials only one of the two retrieved.")
+            out += [
+                "",
+                "| KV cache vs FP16 KV, same trials | " + " | ".join(f"@{L}" for L in Ls) + " |",
+                "|---|" + "---|" * len(Ls),
+            ]
+            out += [
+                f"| {n} | "
+                + " | ".join(
+                    f"{d['points']:+.0f} pts ({d['interval_points'][0]:+.0f} … {d['interval_points'][1]:+.0f}); "
+                    f"{d['only_this']} only here, {d['only_fp16']} only FP16"
+                    for d in (v[L] for L in Ls)
+                )
+                + " |"
+                for n, v in pk["vs_fp16"].items()
+            ]
+            out.append(
+                "\nPaired difference in passkey accuracy, percentage points (95% paired-bootstrap interval), "
+                "and the trials only one of the two retrieved."
+            )
     gp = report.get("parity")
     if gp:
         out += ["", "| KV cache | identical greedy continuations | mean identical prefix (tokens) |", "|---|---|---|"]
         out += [f"| {n} | {100 * v:.1f}% | {gp['mean_identical_prefix'][n]:.1f} |" for n, v in gp["identical"].items()]
-        out.append(f"\nGreedy-continuation parity: {gp['prompts']} prompts x {gp['tokens']} tokens against FP16 KV "
-                   f"({gp['how']}).")
+        out.append(
+            f"\nGreedy-continuation parity: {gp['prompts']} prompts x {gp['tokens']} tokens against FP16 KV "
+            f"({gp['how']})."
+        )
     return "\n".join(out)
 
 
@@ -442,7 +533,7 @@ BUILTIN_TEXT = "builtin:pydoc-topics held-out split"
 
 def _text(text_file) -> tuple[list[str], str]:
     """(documents, what they are) for the evaluation text: a user's file, or the builtin held-out split."""
-    from bpcompile.build import corpus
+    from bpcompile.compiler import corpus
 
     if text_file is None:
         return corpus.heldout_documents(), f"{BUILTIN_TEXT} (fingerprint {corpus.fingerprint()})"
@@ -460,8 +551,9 @@ def _pick(plans: dict, only) -> dict:
     for want in only:
         hit = [n for n in plans if n == want or (want == "engine" and n.startswith("engine plan"))]
         if not hit:
-            raise UserError(f"unknown KV plan {want!r}: expected some of {', '.join(['engine'] + list(plans))}",
-                            key="plans")
+            raise UserError(
+                f"unknown KV plan {want!r}: expected some of {', '.join(['engine'] + list(plans))}", key="plans"
+            )
         keep.update({n: plans[n] for n in hit})
     return keep
 
@@ -470,14 +562,16 @@ def _allocation_note(at: Optional[dict]) -> str:
     if not at:
         return ""
     n = at.get("sequences", 1)
-    return (f"Compression: bytes the runtime allocates for {n} sequence{'s' if n != 1 else ''} of {at['max_seq_len']} "
-            f"tokens + a {at['lookahead']}-token tree against FP16's, scales, tables and exact copies counted.")
+    return (
+        f"Compression: bytes the runtime allocates for {n} sequence{'s' if n != 1 else ''} of {at['max_seq_len']} "
+        f"tokens + a {at['lookahead']}-token tree against FP16's, scales, tables and exact copies counted."
+    )
 
 
 def _allocation(engine_dir: Path) -> tuple[int, int, int]:
     """(max_seq_len, lookahead, max_batch_size) the engine's runtime allocates its cache pool for (engine.json's
     limits and tree); evaluate()'s defaults for a version without engine.json."""
-    from bpcompile.build.plan import tree_tokens
+    from bpcompile.compiler.plan import tree_tokens
     from bpcompile.core.engine import EngineConfig
 
     try:
@@ -487,20 +581,33 @@ def _allocation(engine_dir: Path) -> tuple[int, int, int]:
     return e.limits.max_seq_len, tree_tokens(e), e.limits.max_batch_size
 
 
-def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: int = 16,
-                           calib_length: int = 128, text=None, plans=None, passkey_lengths=(),
-                           passkey_trials: int = 100, parity_prompts: int = 0, parity_tokens: int = 64,
-                           parity_prompt_tokens: int = 32, seed: int = 0, device: str = "cpu") -> dict:
+def evaluate_engine_report(
+    engine_dir,
+    n: int = 16,
+    length: int = 256,
+    calib_n: int = 16,
+    calib_length: int = 128,
+    text=None,
+    plans=None,
+    passkey_lengths=(),
+    passkey_trials: int = 100,
+    parity_prompts: int = 0,
+    parity_tokens: int = 64,
+    parity_prompt_tokens: int = 32,
+    seed: int = 0,
+    device: str = "cpu",
+) -> dict:
     """Fidelity report of an engine version: its own KV plan next to FP16, FP8, naive INT4 and the
     INT4+FP8 sweep over outlier fractions (calibrated here with the engine's group size), on `text`
     (a file; default the builtin held-out split). `plans` restricts the rows (names or 'engine');
     passkey_lengths / parity_prompts > 0 add passkey retrieval and greedy-continuation parity."""
-    from bpcompile.build.corpus import calibration_samples, text_windows
+    from bpcompile.compiler.corpus import calibration_samples, text_windows
 
     engine_dir = Path(engine_dir)
     if not (engine_dir / "verifier" / "config.json").is_file():
-        raise UserError("not an engine version: no converted verifier checkpoint",
-                        file=str(engine_dir / "verifier" / "config.json"))
+        raise UserError(
+            "not an engine version: no converted verifier checkpoint", file=str(engine_dir / "verifier" / "config.json")
+        )
     docs, what = _text(text)
     tok = engine_dir / "tokenizer" / "tokenizer.json"
     windows = text_windows(tok, docs, length, n, seed, "eval text")  # a bad text fails before any model work
@@ -514,8 +621,9 @@ def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: 
     else:  # no sweep row asked for: skip its calibration pass
         all_plans = {"fp16": "fp16", "fp8": "fp8", "int8": "int8", "int4-naive": "int4-naive"}
     if plans and UNROTATED in plans:  # the format before rotation, for comparison (its own calibration pass)
-        m = measure_units(verifier, calibration_samples(tok, calib_n, calib_length),
-                          KVCalibConfig(group_size=gs, rotation="none"))
+        m = measure_units(
+            verifier, calibration_samples(tok, calib_n, calib_length), KVCalibConfig(group_size=gs, rotation="none")
+        )
         all_plans[UNROTATED] = plan_from_measurement(m, verifier.cfg, 0.08)[0]
     if own is not None:
         all_plans[f"engine plan ({own.format})"] = own
@@ -536,7 +644,9 @@ def evaluate_engine_report(engine_dir, n: int = 16, length: int = 256, calib_n: 
         report["passkey"] = passkey_accuracy(verifier, chosen, hf_tok, passkey_lengths, passkey_trials, seed)
     if parity_prompts:
         prompts = text_windows(tok, docs, parity_prompt_tokens, parity_prompts, seed + 1, "parity prompts")
-        report["parity"] = greedy_parity(verifier, {k: v for k, v in chosen.items() if k != "fp16"}, prompts, parity_tokens)
+        report["parity"] = greedy_parity(
+            verifier, {k: v for k, v in chosen.items() if k != "fp16"}, prompts, parity_tokens
+        )
     report["markdown"] = markdown_table(report) + _long_markdown(report)
     return report
 

@@ -2,6 +2,7 @@
 compiler for this machine's CPU, cached, loaded through ctypes. Plain C functions, no PyTorch headers, so a
 build takes under a second; where a kernel cannot be built (no C compiler, not Linux x86-64, the compiler
 refuses it, or its switch is 0) `load` returns None and callers keep PyTorch's own ops."""
+
 from __future__ import annotations
 
 import ctypes
@@ -56,8 +57,11 @@ def build(source: Path, cc: str) -> Path:
 def load(source: Path, switch: str, bind: Callable[[ctypes.CDLL], None]) -> Optional[ctypes.CDLL]:
     """The built kernel with its C signatures declared by bind(lib), or None where it cannot be built or the
     environment variable `switch` is 0."""
-    if os.environ.get(switch, "1") == "0" or platform.system() != "Linux" \
-            or platform.machine() not in ("x86_64", "AMD64"):
+    if (
+        os.environ.get(switch, "1") == "0"
+        or platform.system() != "Linux"
+        or platform.machine() not in ("x86_64", "AMD64")
+    ):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -1,6 +1,7 @@
 """The CPU kernel for the attention of a few queries of one sequence (a decode step, a tree verify; cpu_decode.c,
 which says why it exists), built and loaded by `cbuild`. `available()` is False where it cannot be built (no C
 compiler, not Linux x86-64, or BPCOMPILE_CPU_DECODE=0); callers then keep the PyTorch path."""
+
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +40,7 @@ def available() -> bool:
     out = attend(q[None], k, v, (), (0, 37), new=(kn[None], vn[None]), write=torch.tensor([36]))[0]
     k[:, 36], v[:, 36] = kn, vn
     kd, vd = (t[:, :37].double().repeat_interleave(H // KV, 0) for t in (k, v))
-    ref = torch.softmax(q.double()[:, None] @ kd.transpose(1, 2) * D ** -0.5, -1) @ vd
+    ref = torch.softmax(q.double()[:, None] @ kd.transpose(1, 2) * D**-0.5, -1) @ vd
     return torch.allclose(out.double(), ref[:, 0], rtol=1e-5, atol=1e-5)
 
 
@@ -51,10 +52,20 @@ def _at(t: torch.Tensor, at: tuple[int, ...]) -> int:
 MAX_QUERIES = 16  # a tree verify's tokens; more (a prompt) take the PyTorch path
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: tuple[int, ...], run: tuple[int, int], *,
-           exact: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-           mask: Optional[torch.Tensor] = None, new: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-           write: Optional[torch.Tensor] = None, round16: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    at: tuple[int, ...],
+    run: tuple[int, int],
+    *,
+    exact: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    mask: Optional[torch.Tensor] = None,
+    new: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    write: Optional[torch.Tensor] = None,
+    round16: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """The T queries q [T, H, D] of one sequence over entries run = [a0, a1) of the float32 cache k[at], v[at]
     ([KV, S, D]; at: leading indices, a dense cache's layer and row) and, with exact = (kh, vh, cols), columns
     cols [M] (int64) of the FP16 cache kh[at], vh[at] ([KV, C, D]) -> [T, H, D]; query head h reads KV head
@@ -70,11 +81,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: tuple[int, ...
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     out = torch.empty(T, H, D)
     if _lib().bpc_attention(
-            q.data_ptr(), T, H, KV, D, D ** -0.5 if scale is None else scale, _at(k, at), _at(v, at),
-            k.stride(len(at)), run[0], run[1], None if kh is None else _at(kh, at), None if vh is None else _at(vh, at),
-            0 if kh is None else kh.stride(len(at)), ptr(cols), 0 if cols is None else cols.numel(), ptr(mask),
-            ptr(knew), ptr(vnew), None if exact is not None else ptr(write), ptr(write) if exact is not None else None,
-            int(round16), out.data_ptr(), torch.get_num_threads()):
-        raise ValueError(f"cpu_decode: bad shape (T {T}, H {H}, KV {KV}, D {D}, entries {run} and "
-                         f"{0 if cols is None else cols.numel()} exact) or out of memory")
+        q.data_ptr(),
+        T,
+        H,
+        KV,
+        D,
+        D**-0.5 if scale is None else scale,
+        _at(k, at),
+        _at(v, at),
+        k.stride(len(at)),
+        run[0],
+        run[1],
+        None if kh is None else _at(kh, at),
+        None if vh is None else _at(vh, at),
+        0 if kh is None else kh.stride(len(at)),
+        ptr(cols),
+        0 if cols is None else cols.numel(),
+        ptr(mask),
+        ptr(knew),
+        ptr(vnew),
+        None if exact is not None else ptr(write),
+        ptr(write) if exact is not None else None,
+        int(round16),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    ):
+        raise ValueError(
+            f"cpu_decode: bad shape (T {T}, H {H}, KV {KV}, D {D}, entries {run} and "
+            f"{0 if cols is None else cols.numel()} exact) or out of memory"
+        )
     return out

@@ -1,6 +1,7 @@
 """The CPU kernel for products of a few rows (cpu_rows.c, which says why it exists), built and loaded by
 `cbuild`. `available()` is False where it cannot be built (no C compiler, no AVX-512, not Linux x86-64, or
 BPCOMPILE_CPU_ROWS=0); callers then keep PyTorch's own products."""
+
 from __future__ import annotations
 
 import ctypes
@@ -41,7 +42,8 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, K] @ w [N, K]^T for 1 <= R <= MAX_ROWS, both float32, contiguous, on CPU (the caller checks these;
     `available()` first): y [R, N] float32."""
     y = torch.empty(x.shape[0], w.shape[0])
-    if _lib().bpc_rows_matmul(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
-                              torch.get_num_threads()):
+    if _lib().bpc_rows_matmul(
+        x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(), torch.get_num_threads()
+    ):
         raise ValueError(f"cpu_rows: {x.shape[0]} rows (at most {MAX_ROWS})")
     return y

@@ -12,13 +12,14 @@ Three kernels over the `QuantKVStore` layout (docs/KV_FORMAT.md, the contract) a
 - `move_slots(store, src, dst)`: the accept/compaction byte copy, what `QuantKVStore.move` does.
 
 The entry points run on CUDA tensors (compiled by Triton's JIT) and on CPU tensors through Triton's
-interpreter (what the tests use; slow, keep shapes small). `bpcompile.build.aot` compiles the same kernels
+interpreter (what the tests use; slow, keep shapes small). `bpcompile.compiler.aot` compiles the same kernels
 ahead of time for an engine (sm_90a cubins + C launchers, which the TensorRT plugin wraps).
 
 Nothing here imports from the rest of bpcompile but the tree-mask packing (only torch and triton): the AOT compile imports this module
 in a bare subprocess, and scripts/bench_gpu.py runs on machines that have only torch + triton.
 See docs/KERNELS.md for what is verified where.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,12 +52,37 @@ from bpcompile.kernels.tree_mask import pack_bool_mask  # noqa: E402
 
 @triton.jit
 def _quantize_append_kernel(
-        K, V, stride_kn, stride_kh, stride_vn, stride_vh,  # new keys/values [N, KVH, D], last dim contiguous
-        slots, N,  # flat slots [N] int64
-        q4, s4, q8, s8, qi8, si8, q5, s5, U4, U8, Ui8, U5,  # pools: payload as uint8, scales fp16 ([P, U, PAGE, ...])
-        unit_precision, unit_index, k_channel_scale, int4_clip,  # static tables [L, 2, KVH] / [L, KVH, D]
-        layer, KVH,
-        PAGE: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BLOCK_T: tl.constexpr):
+    K,
+    V,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,  # new keys/values [N, KVH, D], last dim contiguous
+    slots,
+    N,  # flat slots [N] int64
+    q4,
+    s4,
+    q8,
+    s8,
+    qi8,
+    si8,
+    q5,
+    s5,
+    U4,
+    U8,
+    Ui8,
+    U5,  # pools: payload as uint8, scales fp16 ([P, U, PAGE, ...])
+    unit_precision,
+    unit_index,
+    k_channel_scale,
+    int4_clip,  # static tables [L, 2, KVH] / [L, KVH, D]
+    layer,
+    KVH,
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    GS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """One program = BLOCK_T tokens of one unit (K or V of one KV head). Every operation follows
     docs/KV_FORMAT.md §3 in fp32 with IEEE division (div_rn), so the bytes equal the oracle's."""
     HALF: tl.constexpr = D // 2
@@ -95,8 +121,10 @@ def _quantize_append_kernel(
     g = tl.arange(0, NG)
     in_lo = ((j // GS)[None, :] == g[:, None])[None, :, :]
     in_hi = (((j + HALF) // GS)[None, :] == g[:, None])[None, :, :]
-    amax = tl.maximum(tl.max(tl.where(in_lo, tl.abs(x_lo)[:, None, :], 0.0), axis=2),
-                      tl.max(tl.where(in_hi, tl.abs(x_hi)[:, None, :], 0.0), axis=2))  # [T, NG]
+    amax = tl.maximum(
+        tl.max(tl.where(in_lo, tl.abs(x_lo)[:, None, :], 0.0), axis=2),
+        tl.max(tl.where(in_hi, tl.abs(x_hi)[:, None, :], 0.0), axis=2),
+    )  # [T, NG]
     qmax = tl.where(prec == 0, 7.0, tl.where(prec == 1, 448.0, tl.where(prec == 2, 127.0, 15.0)))
     amax = tl.where(prec == 0, clip * amax, amax)  # the clip ratio applies to INT4 units only
     s = tl.minimum(tl.math.div_rn(amax, qmax), 65504.0).to(tl.float16)  # fp16(...), RNE, saturating
@@ -179,15 +207,53 @@ def _codes(b_lo, b_hi, b_x, sh, prec):
 
 @triton.jit
 def _paged_attention_kernel(
-        Q, stride_qb, stride_qg, stride_qh,  # queries [B, G, H, D], post-RoPE, last dim contiguous
-        Out, stride_ob, stride_og, stride_oh,  # [B, G, H, D] (written when SPLIT == 0)
-        part_acc, part_ml, nrows,  # SPLIT == 1: [NS, B*G*H, D] and [NS, B*G*H, 2] (m, l) fp32 partials
-        q4, s4, q8, s8, qi8, si8, q5, s5, U4, U8, Ui8, U5,
-        unit_precision, unit_index, k_channel_scale,
-        block_tables, stride_bt, context_lens, tree_mask, num_tree, num_q,
-        layer, KVH, G, W, scale_bits, chunk,  # scale_bits: sm_scale's fp32 bits (AOT launchers pass fp32 args badly)
-        PAGE: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, R: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr):
+    Q,
+    stride_qb,
+    stride_qg,
+    stride_qh,  # queries [B, G, H, D], post-RoPE, last dim contiguous
+    Out,
+    stride_ob,
+    stride_og,
+    stride_oh,  # [B, G, H, D] (written when SPLIT == 0)
+    part_acc,
+    part_ml,
+    nrows,  # SPLIT == 1: [NS, B*G*H, D] and [NS, B*G*H, 2] (m, l) fp32 partials
+    q4,
+    s4,
+    q8,
+    s8,
+    qi8,
+    si8,
+    q5,
+    s5,
+    U4,
+    U8,
+    Ui8,
+    U5,
+    unit_precision,
+    unit_index,
+    k_channel_scale,
+    block_tables,
+    stride_bt,
+    context_lens,
+    tree_mask,
+    num_tree,
+    num_q,
+    layer,
+    KVH,
+    G,
+    W,
+    scale_bits,
+    chunk,  # scale_bits: sm_scale's fp32 bits (AOT launchers pass fp32 args badly)
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    GS: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    F32: tl.constexpr,
+):
     """One program = one (sequence, KV head, context split, block of query rows). Rows are (tree token g,
     query head r of this KV head's GQA group): GQA shares every K/V byte loaded among R query heads.
 
@@ -278,14 +344,17 @@ def _paged_attention_kernel(
         if HALF_SCALE:
             ks_lo = tl.load(k_sc + krow * NG, mask=tok, other=0.0).to(tl.float32)
             ks_hi = tl.load(k_sc + krow * NG + HALF // GS, mask=tok, other=0.0).to(tl.float32)
-            qk = (tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") * ks_lo[None, :]
-                  + tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee") * ks_hi[None, :])
+            qk = (
+                tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") * ks_lo[None, :]
+                + tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee") * ks_hi[None, :]
+            )
         else:
             ks = k_sc + krow[:, None] * NG
             k_lo = k_lo.to(tl.float32) * tl.load(ks + (j // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
             k_hi = k_hi.to(tl.float32) * tl.load(ks + ((j + HALF) // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
-            qk = (tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee")
-                  + tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee"))
+            qk = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") + tl.dot(
+                q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee"
+            )
 
         # ---- visibility: committed context is visible to every row; tree token jt only where bit (g, jt) is set
         vis = row_ok[:, None] & tok[None, :]
@@ -338,8 +407,9 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(part_acc, part_ml, Out, stride_ob, stride_og, stride_oh, NS, nrows, G, H,
-                           D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _combine_splits_kernel(
+    part_acc, part_ml, Out, stride_ob, stride_og, stride_oh, NS, nrows, G, H, D: tl.constexpr, BLOCK_R: tl.constexpr
+):
     """Merge the split-K partials (m, l, acc) of each query row: out = Σ 2^(m_s - M) acc_s / Σ 2^(m_s - M) l_s."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < nrows
@@ -364,8 +434,9 @@ def _combine_splits_kernel(part_acc, part_ml, Out, stride_ob, stride_og, stride_
 
 
 @triton.jit
-def _copy_rows_kernel(src, dst, src_index, dst_index, U, ROW, PAGE, src_slot, dst_slot,
-                      BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr):
+def _copy_rows_kernel(
+    src, dst, src_index, dst_index, U, ROW, PAGE, src_slot, dst_slot, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr
+):
     """Copy token i's bytes of every unit between a pool [P, U, PAGE, ROW] (addressed by slot) and a
     dense buffer [N, U, ROW] (addressed by i). Used twice per pool, gather then scatter, so overlapping
     src/dst slot sets behave like the oracle's `t[dst] = t[src].clone()`."""
@@ -388,10 +459,13 @@ def _copy_rows_kernel(src, dst, src_index, dst_index, U, ROW, PAGE, src_slot, ds
 # Entry points: same arguments as the PyTorch oracle (QuantKVStore.write / paged_attention_reference /
 # QuantKVStore.move). CUDA tensors -> compiled kernels; CPU tensors -> Triton's interpreter.
 
+
 def _launch(kernel, grid, *args, **meta):
     if not args[0].is_cuda and not _interpreted(kernel):
-        raise RuntimeError("CPU tensors run in Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
-                           "first imported (bpcompile.kernels does it when it is imported first on a CPU-only machine)")
+        raise RuntimeError(
+            "CPU tensors run in Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+            "first imported (bpcompile.kernels does it when it is imported first on a CPU-only machine)"
+        )
     return kernel[grid](*args, **meta)
 
 
@@ -419,7 +493,9 @@ def _store_args(store):
     if not hasattr(store, "payload"):
         raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8/INT5 pools), got {type(store).__name__}")
     if not store.kernel_readable:
-        raise ValueError("the kernels read INT4/FP8/INT8/INT5 units; this plan has INT6, INT3 or KLT units (PyTorch path)")
+        raise ValueError(
+            "the kernels read INT4/FP8/INT8/INT5 units; this plan has INT6, INT3 or KLT units (PyTorch path)"
+        )
     pools = store.kernel_pools()
     payloads = pools[0::2]
     return (*(t.view(torch.uint8) if t.dtype == torch.int8 else t for t in pools), *(t.shape[1] for t in payloads))
@@ -429,7 +505,9 @@ def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
     """Quantize-and-append k, v [N, KVH, D] into flat slots [N]: the bytes `store.write` produces."""
     N, KVH, D = k.shape
     if v.shape != k.shape or KVH != store.num_kv_heads or D != store.head_size:
-        raise ValueError(f"k/v must be [N, {store.num_kv_heads}, {store.head_size}], got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"k/v must be [N, {store.num_kv_heads}, {store.head_size}], got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if N == 0:
         return
     if (why := check_shape(D, store.G)) is not None:
@@ -441,10 +519,30 @@ def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
     slots = slots.to(device=k.device, dtype=torch.int64).contiguous()
     block_t = 16 if k.is_cuda else min(_pow2(N), 64)  # interpreter: few, large programs
     extra = {"enable_fp_fusion": False} if k.is_cuda else {}  # no FMA contraction in the exact arithmetic
-    _launch(_quantize_append_kernel, (triton.cdiv(N, block_t), 2 * KVH),
-            k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots, N, *_store_args(store),
-            store.unit_precision, store.unit_index, store.kernel_k_channel_scale, store.int4_clip, layer, KVH,
-            PAGE=store.page_size, D=D, GS=store.G, BLOCK_T=block_t, **extra)
+    _launch(
+        _quantize_append_kernel,
+        (triton.cdiv(N, block_t), 2 * KVH),
+        k,
+        v,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        slots,
+        N,
+        *_store_args(store),
+        store.unit_precision,
+        store.unit_index,
+        store.kernel_k_channel_scale,
+        store.int4_clip,
+        layer,
+        KVH,
+        PAGE=store.page_size,
+        D=D,
+        GS=store.G,
+        BLOCK_T=block_t,
+        **extra,
+    )
 
 
 DEFAULT_BLOCK_N = 32
@@ -454,8 +552,9 @@ def _f32_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
-def default_num_splits(batch: int, kv_heads: int, m_blocks: int, max_tokens: int, sm_count: int,
-                       min_tokens_per_split: int = 512) -> int:
+def default_num_splits(
+    batch: int, kv_heads: int, m_blocks: int, max_tokens: int, sm_count: int, min_tokens_per_split: int = 512
+) -> int:
     """Split the context so that about 4 programs per SM exist, but never below ~512 tokens per split
     (the merge costs a pass over the partials). Uses only shapes: no device sync."""
     base = batch * kv_heads * m_blocks
@@ -463,10 +562,21 @@ def default_num_splits(batch: int, kv_heads: int, m_blocks: int, max_tokens: int
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split), 64))
 
 
-def paged_attention(q: torch.Tensor, store, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    tree_mask: torch.Tensor | None, num_tree: torch.Tensor, sm_scale: float, *,
-                    q_lens: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    store,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    num_tree: torch.Tensor,
+    sm_scale: float,
+    *,
+    q_lens: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """Attention of q [B, G, H, D] over each sequence's committed context (context_lens[b] tokens, read
     through block_tables [B, max_pages]) plus its num_tree[b] tree tokens stored right after it, visible
     per the packed tree_mask [B, G, ceil(G/32)] (row i bit j: query i sees tree token j; None = causal).
@@ -502,8 +612,13 @@ def paged_attention(q: torch.Tensor, store, layer: int, block_tables: torch.Tens
     block_n = block_n or (DEFAULT_BLOCK_N if q.is_cuda else 64)
     max_tokens = block_tables.shape[1] * PAGE
     if num_splits is None:
-        num_splits = 1 if not q.is_cuda else default_num_splits(
-            B, KVH, m_blocks, max_tokens, torch.cuda.get_device_properties(dev).multi_processor_count)
+        num_splits = (
+            1
+            if not q.is_cuda
+            else default_num_splits(
+                B, KVH, m_blocks, max_tokens, torch.cuda.get_device_properties(dev).multi_processor_count
+            )
+        )
     chunk = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_tokens, chunk))
     split = num_splits > 1
@@ -513,19 +628,68 @@ def paged_attention(q: torch.Tensor, store, layer: int, block_tables: torch.Tens
         part_ml = torch.empty(num_splits, nrows, 2, dtype=torch.float32, device=dev)
     else:
         part_acc = part_ml = out  # unused
-    meta = dict(PAGE=PAGE, D=D, GS=GS, R=R, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=int(split),
-                F32=int(q.dtype == torch.float32))
+    meta = dict(
+        PAGE=PAGE,
+        D=D,
+        GS=GS,
+        R=R,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SPLIT=int(split),
+        F32=int(q.dtype == torch.float32),
+    )
     if q.is_cuda:
         meta["num_warps"] = num_warps or (4 if block_m == 16 else 8)
-    _launch(_paged_attention_kernel, (B * KVH, num_splits, m_blocks),
-            q, q.stride(0), q.stride(1), q.stride(2), out, out.stride(0), out.stride(1), out.stride(2),
-            part_acc, part_ml, nrows, *_store_args(store), store.unit_precision, store.unit_index,
-            store.kernel_k_channel_scale, block_tables, block_tables.stride(0), context_lens, tree_mask, num_tree, q_lens,
-            layer, KVH, G, W, _f32_bits(sm_scale), chunk, **meta)
+    _launch(
+        _paged_attention_kernel,
+        (B * KVH, num_splits, m_blocks),
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        part_acc,
+        part_ml,
+        nrows,
+        *_store_args(store),
+        store.unit_precision,
+        store.unit_index,
+        store.kernel_k_channel_scale,
+        block_tables,
+        block_tables.stride(0),
+        context_lens,
+        tree_mask,
+        num_tree,
+        q_lens,
+        layer,
+        KVH,
+        G,
+        W,
+        _f32_bits(sm_scale),
+        chunk,
+        **meta,
+    )
     if split:
         block_r = 16 if q.is_cuda else min(_pow2(nrows), 64)
-        _launch(_combine_splits_kernel, (triton.cdiv(nrows, block_r),), part_acc, part_ml, out,
-                out.stride(0), out.stride(1), out.stride(2), num_splits, nrows, G, H, D=D, BLOCK_R=block_r)
+        _launch(
+            _combine_splits_kernel,
+            (triton.cdiv(nrows, block_r),),
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            num_splits,
+            nrows,
+            G,
+            H,
+            D=D,
+            BLOCK_R=block_r,
+        )
     return store.kernel_output(out).to(dtype) if store.transformed else out
 
 
@@ -548,5 +712,4 @@ def move_slots(store, src: torch.Tensor, dst: torch.Tensor) -> None:
         block_u = min(_pow2(U), 16 if pool.is_cuda else 1024)
         grid = (n, triton.cdiv(U, block_u))
         for a, b_, ss, ds in ((raw, buf, 1, 0), (buf, raw, 0, 1)):
-            _launch(_copy_rows_kernel, grid, a, b_, src, dst, U, row, PAGE, ss, ds,
-                    BLOCK_U=block_u, BLOCK_B=_pow2(row))
+            _launch(_copy_rows_kernel, grid, a, b_, src, dst, U, row, PAGE, ss, ds, BLOCK_U=block_u, BLOCK_B=_pow2(row))

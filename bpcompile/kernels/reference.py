@@ -1,5 +1,6 @@
 """The PyTorch oracle of the paged tree-attention kernel: gather and dequantize through `store.read`, then
 softmax attention in fp32. Slow and obvious on purpose; the kernels are tested against it."""
+
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,18 @@ import torch
 from bpcompile.kernels.tree_mask import unpack_tree_mask
 
 
-def paged_attention_reference(q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
-                              context_lens: torch.Tensor, tree_mask: torch.Tensor | None, num_tree: torch.Tensor,
-                              sm_scale: float, *, q_lens: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    store,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    num_tree: torch.Tensor,
+    sm_scale: float,
+    *,
+    q_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The oracle of `paged_attention`: gather + dequantize with `store.read`, then softmax attention in fp32."""
     B, G, H, D = q.shape
     R, S = H // store.num_kv_heads, store.page_size

@@ -2,6 +2,7 @@
 nodes is G bits (bit j: node i sees node j, i.e. j is i or one of its ancestors), stored as ceil(G/32) int32
 words, bit j % 32 of word j // 32, little-endian, two's complement. One module for the runtime, the kernels
 and their tests, so the packing has a single definition."""
+
 from __future__ import annotations
 
 import torch
@@ -50,7 +51,7 @@ def pack_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     m = torch.zeros(*mask.shape[:-1], W * 32, dtype=torch.int64, device=mask.device)
     m[..., :G] = mask.to(torch.int64)
     words = (m.reshape(*mask.shape[:-1], W, 32) << torch.arange(32, device=mask.device)).sum(-1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The model executor: one model over its paged KV cache. It turns a batch of requests' new tokens into
 tensors and attention metadata, writes their K/V into the cache and returns logits; it knows nothing of
 trees, sampling or stop conditions."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -31,11 +32,16 @@ class Executor:
         # a few queries a sequence on CPU (decode steps, tree verifies) over a float32 dense view: bpcompile's kernel
         # puts the new entries into the float cache (a float store) or the exact copies (a plan with a recent
         # window: decode steps of one sequence only) and attends, one call per sequence and layer
-        self.few_query_kernel = (kv.dense is not None and kv.dense.dtype == torch.float32
-                                 and torch.device(device).type == "cpu"
-                                 and ((kv.dense.plain and kv.store.dtype in (torch.float16, torch.float32))
-                                      or (kv.recent is not None and kv.recent.window >= 1))
-                                 and cpu_decode.available())
+        self.few_query_kernel = (
+            kv.dense is not None
+            and kv.dense.dtype == torch.float32
+            and torch.device(device).type == "cpu"
+            and (
+                (kv.dense.plain and kv.store.dtype in (torch.float16, torch.float32))
+                or (kv.recent is not None and kv.recent.window >= 1)
+            )
+            and cpu_decode.available()
+        )
 
     def _call(self, name: str, *args):
         if self.peers is not None:
@@ -45,8 +51,9 @@ class Executor:
     def _dense_width(self) -> int:
         return self.kv.dense.k.shape[3] if self.kv.dense is not None else 0
 
-    def prefill(self, reqs: list[Request], last_logits: bool, all_logits: bool = False,
-                feats: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def prefill(
+        self, reqs: list[Request], last_logits: bool, all_logits: bool = False, feats: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """Prompts through the model (right-padded, causal over the prompt alone), K/V into the cache;
         the logits of each prompt's last token [B, V] when last_logits, of every position [B, T, V] when
         all_logits. feats [B, T, hidden]: a FeatureDraft's input features."""
@@ -56,23 +63,42 @@ class Executor:
         for r in reqs:
             kv.ensure(r.id, len(r.prompt) + self.lookahead)
         tok = torch.tensor([r.prompt + [0] * (T - len(r.prompt)) for r in reqs], device=dev)
-        flat = torch.tensor([[kv.slot(r.id, i) for i in range(len(r.prompt))] + [0] * (T - len(r.prompt))
-                             for r in reqs], device=dev).reshape(-1)
+        flat = torch.tensor(
+            [[kv.slot(r.id, i) for i in range(len(r.prompt))] + [0] * (T - len(r.prompt)) for r in reqs], device=dev
+        ).reshape(-1)
         at = None
         if kv.dense is not None:
-            at = (torch.tensor([[kv.rows[r.id]] * len(r.prompt) + [kv.dense.null] * (T - len(r.prompt))
-                                for r in reqs], device=dev).view(-1), torch.arange(T, device=dev).repeat(B))
+            at = (
+                torch.tensor(
+                    [[kv.rows[r.id]] * len(r.prompt) + [kv.dense.null] * (T - len(r.prompt)) for r in reqs], device=dev
+                ).view(-1),
+                torch.arange(T, device=dev).repeat(B),
+            )
         same = len(set(lens)) == 1
-        logits = self._call("run_prefill", tok, flat, at, not all_logits and (same or not last_logits),
-                            self._dense_width(), *(() if feats is None else (feats,)))
+        logits = self._call(
+            "run_prefill",
+            tok,
+            flat,
+            at,
+            not all_logits and (same or not last_logits),
+            self._dense_width(),
+            *(() if feats is None else (feats,)),
+        )
         if all_logits:
             return logits
         if not last_logits:
             return None
         return logits[:, -1] if same else logits[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]
 
-    def run_prefill(self, tok: torch.Tensor, flat: torch.Tensor, at: Optional[tuple], last_only: bool,
-                    dense_width: int, feats: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run_prefill(
+        self,
+        tok: torch.Tensor,
+        flat: torch.Tensor,
+        at: Optional[tuple],
+        last_only: bool,
+        dense_width: int,
+        feats: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
         if kv.dense is not None:
             kv.dense.reserve(dense_width)
@@ -97,10 +123,18 @@ class Executor:
             return self.model(tok, pos, attend=attend, last_only=last_only)
         return logits
 
-    def forward(self, reqs: list[Request], tokens: list[list[int]], positions: list[list[int]],
-                writes: list[list[int]], ctx: list[int], tree_lens: list[int],
-                mask_rows: Optional[list[list[int]]] = None, feats: Optional[torch.Tensor] = None,
-                logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+    def forward(
+        self,
+        reqs: list[Request],
+        tokens: list[list[int]],
+        positions: list[list[int]],
+        writes: list[list[int]],
+        ctx: list[int],
+        tree_lens: list[int],
+        mask_rows: Optional[list[list[int]]] = None,
+        feats: Optional[torch.Tensor] = None,
+        logit_rows: Optional[list[int]] = None,
+    ) -> torch.Tensor:
         """One batched forward of new tokens over the paged cache -> logits [B, T, V].
 
         writes: logical cache index per new token; ctx/tree_lens/mask_rows: see AttnBatch (mask rows as
@@ -118,8 +152,12 @@ class Executor:
             mask = torch.stack([pack_rows(rows + [0] * (T - len(rows)), words) for rows in mask_rows]).to(dev)
         if kv.dense is not None:
             rows = [kv.rows[r.id] for r in reqs]
-            at = (torch.tensor([[row] * len(w) + [kv.dense.null] * (T - len(w)) for row, w in zip(rows, writes)],
-                               device=dev).view(-1), torch.tensor(pad(writes), device=dev).view(-1))
+            at = (
+                torch.tensor(
+                    [[row] * len(w) + [kv.dense.null] * (T - len(w)) for row, w in zip(rows, writes)], device=dev
+                ).view(-1),
+                torch.tensor(pad(writes), device=dev).view(-1),
+            )
             N = max(c + t for c, t in zip(ctx, tree_lens))
             hidden = exact = None
             rep = model.cfg.num_heads // model.cfg.num_kv_heads
@@ -127,15 +165,18 @@ class Executor:
             few = self.few_query_kernel and T <= cpu_decode.MAX_QUERIES
             seqs = None  # for the kernel: per sequence (dense row, entries (a0, a1), queries, mask or None)
             if B > 1 or T > 1 or mask is not None or (kv.recent is not None and not last):
-                batch = AttnBatch(None, torch.tensor(ctx, device=dev), torch.tensor(tree_lens, device=dev), None,
-                                  mask, kv.ps)
+                batch = AttnBatch(
+                    None, torch.tensor(ctx, device=dev), torch.tensor(tree_lens, device=dev), None, mask, kv.ps
+                )
                 visible = batch.visible(T, N)
                 if kv.recent is not None:  # the kernel takes a plan's exact entries at decode steps only
                     visible, exact = self._exact_columns(visible, pos, writes, ctx, tree_lens, rows, rep)
                     few = False
                 if few:
-                    seqs = [(row, (0, c + t), len(w), visible[b, :len(w), :c + t].contiguous())
-                            for b, (row, w, c, t) in enumerate(zip(rows, writes, ctx, tree_lens))]
+                    seqs = [
+                        (row, (0, c + t), len(w), visible[b, : len(w), : c + t].contiguous())
+                        for b, (row, w, c, t) in enumerate(zip(rows, writes, ctx, tree_lens))
+                    ]
                 else:
                     hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
             elif kv.recent is not None:
@@ -146,13 +187,22 @@ class Executor:
                 seqs = [(rows[0], (0, N), 1, None)]
             attn = ("dense", at, rows, N, hidden, exact, seqs)
         else:
-            attn = ("paged", AttnBatch(kv.block_tables([r.id for r in reqs], dev), torch.tensor(ctx, device=dev),
-                                       torch.tensor(tree_lens, device=dev),
-                                       torch.tensor([len(t) for t in tokens], device=dev), mask, kv.ps))
+            attn = (
+                "paged",
+                AttnBatch(
+                    kv.block_tables([r.id for r in reqs], dev),
+                    torch.tensor(ctx, device=dev),
+                    torch.tensor(tree_lens, device=dev),
+                    torch.tensor([len(t) for t in tokens], device=dev),
+                    mask,
+                    kv.ps,
+                ),
+            )
         self.forwards += 1
         lrows = None if logit_rows is None else torch.tensor(logit_rows, device=dev)
-        return self._call("run_forward", tok, pos, flat, attn, self._dense_width(),
-                          *(() if feats is None else (feats, lrows)))
+        return self._call(
+            "run_forward", tok, pos, flat, attn, self._dense_width(), *(() if feats is None else (feats, lrows))
+        )
 
     def _exact_last(self, row: int, N: int) -> tuple:
         """Exact columns for one query at position N - 1 over entries [0, N) (the decode step): it reads the exact
@@ -164,8 +214,16 @@ class Executor:
         cols = rec.column(torch.tensor([idx], device=dev))
         return torch.tensor([row], device=dev), cols, None, (min(rec.sink, N), lo)
 
-    def _exact_columns(self, visible: torch.Tensor, pos: torch.Tensor, writes: list[list[int]], ctx: list[int],
-                       tree_lens: list[int], rows: list[int], rep: int) -> tuple[torch.Tensor, tuple]:
+    def _exact_columns(
+        self,
+        visible: torch.Tensor,
+        pos: torch.Tensor,
+        writes: list[list[int]],
+        ctx: list[int],
+        tree_lens: list[int],
+        rows: list[int],
+        rep: int,
+    ) -> tuple[torch.Tensor, tuple]:
         """For a batch with exact entries: (visible [B, T, N] of the stored entries, minus those read exact;
         (rows, RecentKV columns of the exact entries [B, M], hidden_e [B, 1, T * rep, M], None)). The M exact
         columns of sequence b are its sink entries and [ctx_b - window + 1, ctx_b + tree_b): every entry a query
@@ -177,7 +235,7 @@ class Executor:
         n = torch.arange(N, device=dev)
         kpos = n.repeat(B, 1)
         for b, w in enumerate(writes):
-            kpos[b, w] = pos[b, :len(w)]
+            kpos[b, w] = pos[b, : len(w)]
         real = torch.tensor([[t < len(w) for t in range(T)] for w in writes], device=dev)
         ex = exact_reads(pos, kpos, S, W) & real[:, :, None]  # [B, T, N]
         win = W + max(tree_lens) - 1 if W > 0 else 0
@@ -191,9 +249,16 @@ class Executor:
         hidden_e = ~show.repeat_interleave(rep, dim=1)[:, None]
         return visible & ~ex, (torch.tensor(rows, device=dev), rec.column(ec), hidden_e, None)
 
-    def run_forward(self, tok: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor, attn: tuple,
-                    dense_width: int, feats: Optional[torch.Tensor] = None,
-                    logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run_forward(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        flat: torch.Tensor,
+        attn: tuple,
+        dense_width: int,
+        feats: Optional[torch.Tensor] = None,
+        logit_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
         flat_pos = pos.reshape(-1)
         if attn[0] == "dense":
@@ -216,34 +281,53 @@ class Executor:
                     kv.write(layer, flat, k, v, at, flat_pos, written=True)
                     if one:
                         row, run, _, m = seqs[0]
-                        return cpu_decode.attend(q.reshape(T, H, D).contiguous(), kv.dense.k, kv.dense.v, (layer, row),
-                                                 run, exact=ex, mask=m, new=(k, v), write=w0,
-                                                 round16=round16).view(1, T, H, D)
+                        return cpu_decode.attend(
+                            q.reshape(T, H, D).contiguous(),
+                            kv.dense.k,
+                            kv.dense.v,
+                            (layer, row),
+                            run,
+                            exact=ex,
+                            mask=m,
+                            new=(k, v),
+                            write=w0,
+                            round16=round16,
+                        ).view(1, T, H, D)
                     q, k, v = q.contiguous(), k.view(B, T, KV, D), v.view(B, T, KV, D)
                     o = q.new_zeros(B, T, H, D)  # padding rows: zeros (nothing reads them)
                     for b, (row, run, n, m) in enumerate(seqs):
-                        o[b, :n] = cpu_decode.attend(q[b, :n], kv.dense.k, kv.dense.v, (layer, row), run, exact=ex,
-                                                     mask=m, new=(k[b, :n], v[b, :n]), write=widx[b, :n],
-                                                     round16=round16)
+                        o[b, :n] = cpu_decode.attend(
+                            q[b, :n],
+                            kv.dense.k,
+                            kv.dense.v,
+                            (layer, row),
+                            run,
+                            exact=ex,
+                            mask=m,
+                            new=(k[b, :n], v[b, :n]),
+                            write=widx[b, :n],
+                            round16=round16,
+                        )
                     return o
             else:
+
                 def attend(layer, q, k, v):
-                    kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at,
-                             flat_pos)
+                    kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
                     kd, vd = kv.dense.read(layer, rows, N)
                     if exact is None:
                         return dense_attention(q, kd, vd, hidden)
                     e_rows, e_cols, hidden_e, cut = exact
                     if cut is not None:  # one query: the stored entries it reads are a contiguous run
-                        kd, vd = kd[:, :, cut[0]:cut[1]], vd[:, :, cut[0]:cut[1]]
+                        kd, vd = kd[:, :, cut[0] : cut[1]], vd[:, :, cut[0] : cut[1]]
                     ek, ev = kv.recent.read(layer, e_rows, e_cols, q.dtype)
                     return dense_attention(q, kd, vd, hidden, exact=(ek, ev, hidden_e))
         else:
             batch = attn[1]
 
             def attend(layer, q, k, v):
-                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
-                         positions=flat_pos)
+                kv.write(
+                    layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), positions=flat_pos
+                )
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 
         # a step's queries read its own entries' exact copies when the plan's window holds the whole step
@@ -253,8 +337,13 @@ class Executor:
     def move(self, moves: "Moves") -> None:
         """Apply the collected KV moves (accepted tree entries to their committed slots)."""
         if moves.src:
-            self._call("run_move", *(torch.tensor(x, device=self.device) for x in
-                                     (moves.src, moves.dst, moves.rows, moves.src_index, moves.dst_index)))
+            self._call(
+                "run_move",
+                *(
+                    torch.tensor(x, device=self.device)
+                    for x in (moves.src, moves.dst, moves.rows, moves.src_index, moves.dst_index)
+                ),
+            )
 
     def run_move(self, src, dst, rows, src_i, dst_i) -> None:
         self.kv.move(src, dst, (rows, src_i, dst_i))

@@ -9,6 +9,7 @@
 - `apply_stops` (request.py): end id, stop words and max_tokens on the committed tokens.
 The in-flight loop that serves requests from other threads is inflight.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,10 +25,25 @@ from bpcompile.core.engine import EXECUTORS, EngineConfig
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import FeatureDraft, Llama, is_feature_draft
-from bpcompile.runtime.paged_kv import (DenseKV, KVStoreFactory, PagedKV, RecentKV, cache_pages,
-                                        float_store_factory, kernels_for)
-from bpcompile.runtime.request import (Request, RequestStats, SamplingParams, StepOutput, apply_penalties,
-                                       apply_stops, keep_logits, penalized)
+from bpcompile.runtime.paged_kv import (
+    DenseKV,
+    KVStoreFactory,
+    PagedKV,
+    RecentKV,
+    cache_pages,
+    float_store_factory,
+    kernels_for,
+)
+from bpcompile.runtime.request import (
+    Request,
+    RequestStats,
+    SamplingParams,
+    StepOutput,
+    apply_penalties,
+    apply_stops,
+    keep_logits,
+    penalized,
+)
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
@@ -40,19 +56,32 @@ class Generator:
     requests, the executors run the models over their paged caches, the speculative step drafts, verifies and
     compacts, and `apply_stops` turns committed tokens into outputs."""
 
-    def __init__(self, verifier: Llama, draft: Optional[Llama], tree: Optional[TreeSpec], *, max_batch_size: int = 8,
-                 max_seq_len: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
-                 kv_store_factory: Optional[KVStoreFactory] = None, device: str = "cpu",
-                 draft_kv_store_factory: Optional[KVStoreFactory] = None, max_input_len: Optional[int] = None,
-                 dense_kv: bool = True, backoff: bool = True, executor: str = "torch",
-                 graphs: Optional[str | Path] = None):
+    def __init__(
+        self,
+        verifier: Llama,
+        draft: Optional[Llama],
+        tree: Optional[TreeSpec],
+        *,
+        max_batch_size: int = 8,
+        max_seq_len: int = 512,
+        page_size: int = 16,
+        num_pages: Optional[int] = None,
+        kv_store_factory: Optional[KVStoreFactory] = None,
+        device: str = "cpu",
+        draft_kv_store_factory: Optional[KVStoreFactory] = None,
+        max_input_len: Optional[int] = None,
+        dense_kv: bool = True,
+        backoff: bool = True,
+        executor: str = "torch",
+        graphs: Optional[str | Path] = None,
+    ):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
         plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
         max_input_len: longest prompt accepted (default max_seq_len - 1). dense_kv: where the kernels do not run,
         attend over a per-sequence DenseKV copy of the cache (False: gather from the store every time).
         backoff: draft less or not at all while speculation does not pay (speculative.BackOff).
         executor: "torch" (the models' modules) or "onnxruntime" (their exported step graphs, found in
-        graphs/verifier and graphs/draft; bpcompile/build/onnx_export.py)."""
+        graphs/verifier and graphs/draft; bpcompile/compiler/onnx_export.py)."""
         if executor not in EXECUTORS:
             raise UserError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}", key="executor")
         if executor == "onnxruntime" and graphs is None:
@@ -76,22 +105,32 @@ class Generator:
         self.num_pages = num_pages or cache_pages(max_batch_size, max_seq_len, self.g_max, page_size)
 
         def make(model: Llama, factory: Optional[KVStoreFactory], role: str) -> Executor:
-            store = (factory or float_store_factory(model.dtype))(model.cfg, self.num_pages, page_size,
-                                                                 str(self.device))
+            store = (factory or float_store_factory(model.dtype))(
+                model.cfg, self.num_pages, page_size, str(self.device)
+            )
             plan = getattr(store, "plan", None)
             exact = plan is not None and plan.has_exact
             if executor == "onnxruntime":
                 if exact:
-                    raise UserError("the onnxruntime executor's graphs do not read exact (sink / recent-window) "
-                                    "KV entries; use the torch executor for this plan", key="kv_cache.recent_window")
+                    raise UserError(
+                        "the onnxruntime executor's graphs do not read exact (sink / recent-window) "
+                        "KV entries; use the torch executor for this plan",
+                        key="kv_cache.recent_window",
+                    )
                 from bpcompile.runtime.onnx_executor import OnnxExecutor
 
                 return OnnxExecutor(model, PagedKV(store, self.device), self.device, self.g_max, Path(graphs) / role)
             # exact entries are read on the DenseKV path (the kernels do not read them: kernels_for says so)
-            dense = DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device) \
-                if (dense_kv or exact) and kernels_for(store, self.device) is None else None
-            recent = RecentKV(store, max_batch_size, plan.sink_tokens, plan.recent_window, self.g_max, self.device) \
-                if exact else None
+            dense = (
+                DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device)
+                if (dense_kv or exact) and kernels_for(store, self.device) is None
+                else None
+            )
+            recent = (
+                RecentKV(store, max_batch_size, plan.sink_tokens, plan.recent_window, self.g_max, self.device)
+                if exact
+                else None
+            )
             return Executor(model, PagedKV(store, self.device, dense, recent), self.device, self.g_max, role)
 
         self.v_exec = make(self.verifier, kv_store_factory, "verifier")
@@ -106,11 +145,20 @@ class Generator:
     # ------------------------------------------------------------------------------------------ API
 
     @classmethod
-    def from_engine(cls, engine_dir, *, tree: Optional[TreeSpec] = None, device: str = "cpu",
-                    kv_store_factory: Optional[KVStoreFactory] = None,
-                    draft_kv_store_factory: Optional[KVStoreFactory] = None,
-                    executor: Optional[str] = None, tp: Optional[int] = None, pack: bool = True,
-                    _rank: int = 0, _group=None) -> "Generator":
+    def from_engine(
+        cls,
+        engine_dir,
+        *,
+        tree: Optional[TreeSpec] = None,
+        device: str = "cpu",
+        kv_store_factory: Optional[KVStoreFactory] = None,
+        draft_kv_store_factory: Optional[KVStoreFactory] = None,
+        executor: Optional[str] = None,
+        tp: Optional[int] = None,
+        pack: bool = True,
+        _rank: int = 0,
+        _group=None,
+    ) -> "Generator":
         """Load engine_dir/verifier, engine_dir/draft (converted checkpoints), the engine config
         (engine.json: speculative tree, limits, KV page size and format, executor) and, unless a factory is
         given, the verifier's KV plan in engine_dir/kv_plan (float cache without one). executor overrides the
@@ -130,31 +178,44 @@ class Generator:
         if tp is None:
             tp = cfg.parallel.tp if cfg.parallel.pp == 1 else 1
         if tp != 1 and tp != cfg.parallel.tp:
-            raise UserError(f"{d} was converted for tp={cfg.parallel.tp}: run it at tp {cfg.parallel.tp} or 1 "
-                            f"(merged), or rebuild with parallel.tp: {tp}", key="tp")
+            raise UserError(
+                f"{d} was converted for tp={cfg.parallel.tp}: run it at tp {cfg.parallel.tp} or 1 "
+                f"(merged), or rebuild with parallel.tp: {tp}",
+                key="tp",
+            )
         if tp > 1:
             if cfg.parallel.pp != 1:
-                raise UserError(f"{d} has pp={cfg.parallel.pp}: the native runtime runs tensor parallelism only; "
-                                "run it at tp 1 (ranks merged)", key="tp")
+                raise UserError(
+                    f"{d} has pp={cfg.parallel.pp}: the native runtime runs tensor parallelism only; "
+                    "run it at tp 1 (ranks merged)",
+                    key="tp",
+                )
             if kv_store_factory is not None or draft_kv_store_factory is not None:
-                raise UserError("tp > 1 runs the engine's own KV plan (each rank takes its heads' share); "
-                                "custom KV store factories are for tp 1", key="tp")
+                raise UserError(
+                    "tp > 1 runs the engine's own KV plan (each rank takes its heads' share); "
+                    "custom KV store factories are for tp 1",
+                    key="tp",
+                )
             if torch.device(device).type != "cpu":
-                raise UserError(f"tensor parallelism runs over gloo on CPU in this release; device {device!r} "
-                                "needs tp 1", key="tp")
+                raise UserError(
+                    f"tensor parallelism runs over gloo on CPU in this release; device {device!r} needs tp 1", key="tp"
+                )
             if (executor or cfg.runtime.executor) != "torch":
-                raise UserError("tensor parallelism runs with the torch executor (the ONNX graphs are exported "
-                                "unsplit)", key="tp")
+                raise UserError(
+                    "tensor parallelism runs with the torch executor (the ONNX graphs are exported unsplit)", key="tp"
+                )
         spec, limits, kv = cfg.speculative, cfg.limits, cfg.kv_cache
         has_draft = (d / "draft" / "config.json").is_file()
         if tree is None:
-            tree = TreeSpec(spec.tree if has_draft else "none", length=spec.length, choices=spec.choices,
-                            nodes=spec.nodes)
+            tree = TreeSpec(
+                spec.tree if has_draft else "none", length=spec.length, choices=spec.choices, nodes=spec.nodes
+            )
         if tree.kind != "none" and not has_draft:
             raise UserError(f"{d}: tree {tree.kind!r} needs a draft checkpoint at {d / 'draft'}")
         if kv_store_factory is None and (d / "kv_plan" / "plan.json").is_file():
             # the engine's calibrated KV plan (INT4/FP8 units) describes the verifier's cache
-            from bpcompile.runtime.kvcache import KVPlan, kv_store_factory as plan_factory
+            from bpcompile.runtime.kvcache import KVPlan
+            from bpcompile.runtime.kvcache import kv_store_factory as plan_factory
 
             plan = KVPlan.load(d / "kv_plan")
             kv_store_factory = plan_factory(plan.shard(_rank, tp) if tp > 1 else plan)
@@ -162,16 +223,22 @@ class Generator:
             kv_store_factory = float_store_factory(torch.float16)  # an FP16 cache whatever the model's dtype
         executor = executor or cfg.runtime.executor
         if executor == "onnxruntime" and not (d / "onnx" / "verifier" / "step.onnx").is_file():
-            raise UserError(f"{d}: no exported graphs for the onnxruntime executor (expected {d / 'onnx'}); "
-                            "rebuild with runtime.onnx: true", key="executor")
+            raise UserError(
+                f"{d}: no exported graphs for the onnxruntime executor (expected {d / 'onnx'}); "
+                "rebuild with runtime.onnx: true",
+                key="executor",
+            )
         group, procs = _group, []
         if tp > 1 and _rank == 0:
             from bpcompile.runtime import tp as tensor_parallel
 
             group, procs = tensor_parallel.launch(d, tp, {"tree": asdict(tree), "device": device})
         try:
-            load = (lambda role: Llama.from_rank(d / role, _rank, tp, group, dtype=None)) if tp > 1 else \
-                (lambda role: Llama.from_checkpoint(d / role, dtype=None))
+            load = (
+                (lambda role: Llama.from_rank(d / role, _rank, tp, group, dtype=None))
+                if tp > 1
+                else (lambda role: Llama.from_checkpoint(d / role, dtype=None))
+            )
             verifier = load("verifier")
             draft = None
             if tree.kind != "none":
@@ -184,10 +251,21 @@ class Generator:
                 for m in (verifier, draft):
                     if m is not None:
                         m.pack_for_cpu(layout)
-            gen = cls(verifier, draft, tree, max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
-                      page_size=kv.page_size, kv_store_factory=kv_store_factory, device=device,
-                      draft_kv_store_factory=draft_kv_store_factory, max_input_len=limits.max_input_len,
-                      backoff=spec.backoff, executor=executor, graphs=d / "onnx")
+            gen = cls(
+                verifier,
+                draft,
+                tree,
+                max_batch_size=limits.max_batch_size,
+                max_seq_len=limits.max_seq_len,
+                page_size=kv.page_size,
+                kv_store_factory=kv_store_factory,
+                device=device,
+                draft_kv_store_factory=draft_kv_store_factory,
+                max_input_len=limits.max_input_len,
+                backoff=spec.backoff,
+                executor=executor,
+                graphs=d / "onnx",
+            )
         except BaseException:
             for p in procs:
                 p.kill()
@@ -210,28 +288,41 @@ class Generator:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None) -> str:
         p, V = params, self.verifier.cfg.vocab_size
         if len(prompt_ids) > self.max_input_len:
-            raise UserError(f"prompt has {len(prompt_ids)} tokens, more than limits.max_input_len "
-                            f"({self.max_input_len})", key="max_input_len")
+            raise UserError(
+                f"prompt has {len(prompt_ids)} tokens, more than limits.max_input_len ({self.max_input_len})",
+                key="max_input_len",
+            )
         if not prompt_ids or not all(isinstance(t, int) and 0 <= t < V for t in prompt_ids):
             raise UserError(f"prompt must be a non-empty list of token ids in [0, {V})")
         if p.max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1 (got {p.max_tokens})", key="max_tokens")
         if p.context_logits and self.executor != "torch":
-            raise UserError("context logits need the torch executor (the exported prefill graph returns the last "
-                            "position's logits only)", key="context_logits")
+            raise UserError(
+                "context logits need the torch executor (the exported prefill graph returns the last "
+                "position's logits only)",
+                key="context_logits",
+            )
         if len(prompt_ids) + p.max_tokens > self.max_seq_len:
-            raise UserError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_seq_len "
-                            f"({self.max_seq_len})", key="max_tokens")
+            raise UserError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_seq_len "
+                f"({self.max_seq_len})",
+                key="max_tokens",
+            )
         # `not (x >= 0)` rather than `x < 0`: NaN fails every comparison and would slip through.
         if not (0 <= p.temperature < math.inf) or p.top_k < 0 or not (0 < p.top_p <= 1):
             raise UserError("a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
-        if not (0 < p.repetition_penalty < math.inf) or not all(math.isfinite(x) for x in
-                                                                 (p.presence_penalty, p.frequency_penalty)):
-            raise UserError("repetition_penalty must be a finite number > 0 (1 = off), presence_penalty and "
-                            "frequency_penalty finite numbers (0 = off)", key="repetition_penalty")
+        if not (0 < p.repetition_penalty < math.inf) or not all(
+            math.isfinite(x) for x in (p.presence_penalty, p.frequency_penalty)
+        ):
+            raise UserError(
+                "repetition_penalty must be a finite number > 0 (1 = off), presence_penalty and "
+                "frequency_penalty finite numbers (0 = off)",
+                key="repetition_penalty",
+            )
         if not (0 <= p.min_tokens <= p.max_tokens):
-            raise UserError(f"min_tokens must be in [0, max_tokens = {p.max_tokens}] (got {p.min_tokens})",
-                            key="min_tokens")
+            raise UserError(
+                f"min_tokens must be in [0, max_tokens = {p.max_tokens}] (got {p.min_tokens})", key="min_tokens"
+            )
         rid = request_id or uuid.uuid4().hex
         if rid in self.scheduler:
             raise UserError(f"request id {rid!r} is already in use")
@@ -268,8 +359,12 @@ class Generator:
             outs += [self._emit(r, toks) for r, toks in zip(old, committed)]
         return outs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_token: Optional[Callable[[int, list[int]], None]] = None) -> list[tuple[list[int], RequestStats]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_token: Optional[Callable[[int, list[int]], None]] = None,
+    ) -> list[tuple[list[int], RequestStats]]:
         """Run prompts to completion; on_token(prompt_index, new_tokens) streams."""
         index = {self.add_request(p, params): i for i, p in enumerate(prompts)}
         res: list = [None] * len(prompts)
@@ -320,16 +415,20 @@ class Generator:
             full = self.v_exec.prefill(reqs, True, all_logits=True)
             for b, r in enumerate(reqs):
                 if r.params.context_logits:
-                    r.context_logits = full[b, :len(r.prompt)].float().cpu()
+                    r.context_logits = full[b, : len(r.prompt)].float().cpu()
             last = full[torch.arange(len(reqs)), torch.tensor([len(r.prompt) - 1 for r in reqs])]
         else:
             last = self.v_exec.prefill(reqs, True)
         if any(penalized(r.params) for r in reqs):
-            last = torch.stack([apply_penalties(last[b], r.params, r.prompt, 0) if penalized(r.params) else last[b]
-                                for b, r in enumerate(reqs)])
+            last = torch.stack(
+                [
+                    apply_penalties(last[b], r.params, r.prompt, 0) if penalized(r.params) else last[b]
+                    for b, r in enumerate(reqs)
+                ]
+            )
         first = [self._pick(r, last[b]) for b, r in enumerate(reqs)]
         for b, (r, t) in enumerate(zip(reqs, first)):
-            keep_logits(r, last[b:b + 1], [t])
+            keep_logits(r, last[b : b + 1], [t])
         t1 = time.perf_counter()
         if self.d_exec is not None:
             feats = None
@@ -337,7 +436,7 @@ class Generator:
                 h = self.v_exec.hidden
                 feats = torch.cat((h.new_zeros(h.shape[0], 1, h.shape[2]), h[:, :-1]), 1)
                 for b, r in enumerate(reqs):
-                    r.feats = h[b, len(r.prompt) - 1:len(r.prompt)].clone()
+                    r.feats = h[b, len(r.prompt) - 1 : len(r.prompt)].clone()
             self.d_exec.prefill(reqs, False, feats=feats)
         t2 = time.perf_counter()
         outs = []

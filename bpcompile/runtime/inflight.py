@@ -9,6 +9,7 @@ request. A request arriving mid-generation joins the batch at the next step.
 A frontend (the Triton generator model, a test, an HTTP server) subclasses `InflightLoop` and says how to
 answer: `on_output`, `on_rejected`, `on_cancelled`, `on_failed`, and `is_cancelled` to poll a client.
 """
+
 from __future__ import annotations
 
 import queue
@@ -29,14 +30,14 @@ class LoopRequest:
 
     prompt: list[int]
     params: SamplingParams
-    rid: str = ""                      # the runtime's request id, once admitted
+    rid: str = ""  # the runtime's request id, once admitted
     out: list[int] = field(default_factory=list)  # tokens generated so far
     logprobs: list[float] = field(default_factory=list)  # of `out`, when params.logprobs
     context_logits: Optional[object] = None  # [prompt, vocab] tensor, when params.context_logits
     generation_logits: list = field(default_factory=list)  # [n, vocab] tensors covering `out`, in order
-    steps: int = 0                     # generator steps this request took part in
-    admitted_ns: int = 0               # wall clock (time.time_ns) when the loop handed it to the runtime
-    pages: int = 0                     # KV pages the runtime reserved for it (per cache)
+    steps: int = 0  # generator steps this request took part in
+    admitted_ns: int = 0  # wall clock (time.time_ns) when the loop handed it to the runtime
+    pages: int = 0  # KV pages the runtime reserved for it (per cache)
 
 
 class InflightLoop:

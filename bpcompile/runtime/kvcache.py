@@ -9,6 +9,7 @@ contiguously.
 `FloatKVStore` (fp32/fp16/bf16, no quantization) is the reference. The quantized formats
 (INT4 with FP8 outlier heads, FP8, INT8) implement the same interface; see docs/KV_FORMAT.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,14 @@ class KVStore:
     num_pages: int
     page_size: int
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              positions: Optional[torch.Tensor] = None) -> None:
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+    ) -> None:
         """Quantize-and-append: k, v [N, num_kv_heads, head_size] go to flat slots [N] (int64). positions [N]: the
         tokens' RoPE positions (needed by a plan whose keys are stored before RoPE, KLT units; others ignore it)."""
         raise NotImplementedError
@@ -41,20 +48,28 @@ class KVStore:
         """Dequantized K, V for slots [N] -> each [N, num_kv_heads, head_size] in the compute dtype."""
         raise NotImplementedError
 
-    def write_read(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   positions: Optional[torch.Tensor] = None):
+    def write_read(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+    ):
         """write(), then what read() of those slots returns (a store may decode without reading back)."""
         self.write(layer, slots, k, v, positions)
         return self.read(layer, slots)
 
-    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     positions: Optional[torch.Tensor] = None) -> None:
+    def write_layers(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None
+    ) -> None:
         """write() of every layer at once: k, v [num_layers, N, num_kv_heads, head_size], the same slots in each."""
         for layer in range(k.shape[0]):
             self.write(layer, slots, k[layer], v[layer], positions)
 
-    def write_read_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_read_layers(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """write_read() of every layer at once -> k, v [num_layers, N, num_kv_heads, head_size]."""
         out = [self.write_read(layer, slots, k[layer], v[layer], positions) for layer in range(k.shape[0])]
         return torch.stack([a for a, _ in out]), torch.stack([b for _, b in out])
@@ -75,8 +90,16 @@ class KVStore:
 class FloatKVStore(KVStore):
     """Unquantized pages: [num_pages, num_kv_heads, page_size, head_size] per layer for K and for V."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, num_pages: int, page_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_size)
@@ -141,7 +164,7 @@ def hadamard(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
         h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[key] = (h / n ** 0.5).float().to(device)
+        _HADAMARD[key] = (h / n**0.5).float().to(device)
     return _HADAMARD[key]
 
 
@@ -239,7 +262,7 @@ def pack_int5(n: torch.Tensor) -> torch.Tensor:
 def unpack_int5(b: torch.Tensor) -> torch.Tensor:
     """Bytes [..., 5D/8] -> codes [..., D] (uint8 0..31), inverse of pack_int5."""
     d = b.shape[-1] * 8 // 5
-    return unpack_int4(b[..., :d // 2]) | (unpack_planes(b[..., d // 2:]) << 4)
+    return unpack_int4(b[..., : d // 2]) | (unpack_planes(b[..., d // 2 :]) << 4)
 
 
 def quantize_int5(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,8 +305,8 @@ def pack_int6(n: torch.Tensor) -> torch.Tensor:
 def unpack_int6(b: torch.Tensor) -> torch.Tensor:
     """Bytes [..., 3D/4] -> codes [..., D] (uint8 0..63), inverse of pack_int6."""
     d, e = b.shape[-1] * 4 // 3, b.shape[-1] // 6
-    hi = unpack_planes(b[..., d // 2:].unflatten(-1, (2, e)))  # [..., 2, D]: bits 4 and 5
-    return unpack_int4(b[..., :d // 2]) | (hi[..., 0, :] << 4) | (hi[..., 1, :] << 5)
+    hi = unpack_planes(b[..., d // 2 :].unflatten(-1, (2, e)))  # [..., 2, D]: bits 4 and 5
+    return unpack_int4(b[..., : d // 2]) | (hi[..., 0, :] << 4) | (hi[..., 1, :] << 5)
 
 
 def quantize_int6(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,16 +386,28 @@ def klt_qmax(bits: torch.Tensor) -> torch.Tensor:
 _M32 = 0xFFFFFFFF
 
 
-def klt_coefficients(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, V: torch.Tensor,
-                     weight: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+def klt_coefficients(
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    V: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+) -> torch.Tensor:
     """Post-RoPE keys k [N, U, D] of KLT units at positions [N] -> their coefficients ((unrope(k) - mean) * weight) @ V
     (V, weight, mean: the units' tables, [U, D, D] / [U, D])."""
     pre = rope_rotate(k, positions, inv_freq, -1.0)
     return torch.einsum("nhd,hde->nhe", (pre - mean) * weight, V.float())
 
 
-def klt_keys(z: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, V: torch.Tensor, weight: torch.Tensor,
-             mean: torch.Tensor) -> torch.Tensor:
+def klt_keys(
+    z: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    V: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+) -> torch.Tensor:
     """klt_coefficients inverted: coefficients z [N, U, D] -> post-RoPE keys (float32)."""
     pre = torch.einsum("nhe,hde->nhd", z, V.float()) / weight + mean
     return rope_rotate(pre, positions, inv_freq, 1.0)
@@ -407,8 +442,16 @@ def klt_pack_index(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(coef, dtype=torch.long), torch.tensor(shift, dtype=torch.long)
 
 
-def encode_klt(z: torch.Tensor, bits: torch.Tensor, step: torch.Tensor, level: torch.Tensor, coef: torch.Tensor,
-               shift: torch.Tensor, dither: torch.Tensor, decoded: bool = False):
+def encode_klt(
+    z: torch.Tensor,
+    bits: torch.Tensor,
+    step: torch.Tensor,
+    level: torch.Tensor,
+    coef: torch.Tensor,
+    shift: torch.Tensor,
+    dither: torch.Tensor,
+    decoded: bool = False,
+):
     """Coefficients z [N, U, D] (float32, in the unit's basis) -> (payload uint8 [N, U, B/8], fp16 scale [N, U, 1],
     the decoded coefficients or None). Per token s = fp16(max over coefficients of >= 2 bits of |z| / (qmax * step));
     such a coefficient's code is q + qmax + 1 with q = clamp(rne(z / (s * step) + u), -qmax, qmax) for its dither u
@@ -433,12 +476,23 @@ def encode_klt(z: torch.Tensor, bits: torch.Tensor, step: torch.Tensor, level: t
 def _klt_values(n, s16, bits, step, level, dither):
     """Decoded coefficients; a token whose scale is 0 decodes 0 (its codes were written as 0)."""
     qmax, t = klt_qmax(bits), s16.float()[..., None] * step
-    return torch.where(bits >= 2, torch.where(t > 0, (n.float() - qmax - 1 - dither) * t, 0.0),
-                       torch.where(bits == 1, torch.where(n > 0, level, -level), 0.0))
+    return torch.where(
+        bits >= 2,
+        torch.where(t > 0, (n.float() - qmax - 1 - dither) * t, 0.0),
+        torch.where(bits == 1, torch.where(n > 0, level, -level), 0.0),
+    )
 
 
-def decode_klt(payload: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor, step: torch.Tensor,
-               level: torch.Tensor, coef: torch.Tensor, shift: torch.Tensor, dither: torch.Tensor) -> torch.Tensor:
+def decode_klt(
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    bits: torch.Tensor,
+    step: torch.Tensor,
+    level: torch.Tensor,
+    coef: torch.Tensor,
+    shift: torch.Tensor,
+    dither: torch.Tensor,
+) -> torch.Tensor:
     """encode_klt's payload and scales -> the coefficients [N, U, D] (float32)."""
     N, U = payload.shape[:2]
     planes = ((payload.long()[..., None] >> torch.arange(8, device=payload.device)) & 1).view(N, U, -1)
@@ -458,7 +512,7 @@ def encode_fp8_e4m3(y: torch.Tensor) -> torch.Tensor:
     b = a.view(torch.int32)
     b = b + 0x7FFFF + ((b >> 20) & 1)  # RNE on the 20 dropped mantissa bits
     normal = ((b >> 20) - (120 << 3)).clamp(max=0x7E)
-    code = torch.where(a < 2.0 ** -6, sub, normal)
+    code = torch.where(a < 2.0**-6, sub, normal)
     return (code | sign).to(torch.uint8)
 
 
@@ -466,7 +520,7 @@ def decode_fp8_e4m3(code: torch.Tensor) -> torch.Tensor:
     """E4M3 bit patterns (uint8) -> float32, by the formula (0x7F/0xFF NaN never written)."""
     c = code.to(torch.int32)
     e, m = (c >> 3) & 0xF, (c & 7).float()
-    mag = torch.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * torch.exp2((e - 7).float()))
+    mag = torch.where(e == 0, m * 2.0**-9, (1 + m / 8) * torch.exp2((e - 7).float()))
     return torch.where((c & 0x80) != 0, -mag, mag)
 
 
@@ -511,6 +565,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
 # kernels' launch code (pool order, unit counts) and the TensorRT plugin's constants (generated header).
 # A new precision is an entry here plus its branch in the kernels.
 
+
 @dataclass(frozen=True)
 class UnitPrecision:
     name: str  # in KV plans
@@ -534,10 +589,12 @@ def _encode_int4(x, group_size, clip, decoded):
 def _encode_symmetric(qmax: float, pack):
     """INT5 / INT6's encode: s = fp16(absmax / qmax), q = clamp(rne(x / s), -qmax, qmax), code q + qmax + 1; what a
     read decodes, q * s, computed from the levels (the packed codes round-trip exactly)."""
+
     def encode(x, group_size, clip, decoded):
         q, s = _symmetric_levels(x, group_size, qmax)
         dec = (q * s.float()[..., None]).reshape(x.shape) if decoded else None
         return pack((q + (qmax + 1)).reshape(x.shape)), s, dec
+
     return encode
 
 
@@ -551,6 +608,7 @@ def _codec(quantize, dequantize):
     def encode(x, group_size, clip, decoded):
         q, s = quantize(x, group_size)
         return q, s, dequantize(q, s, group_size) if decoded else None
+
     return encode
 
 
@@ -561,17 +619,42 @@ PRECISIONS = (
     UnitPrecision("int5", 3, torch.uint8, lambda d: d * 5 // 8, _encode_symmetric(15.0, pack_int5), dequantize_int5),
     UnitPrecision("int6", 4, torch.uint8, lambda d: d * 3 // 4, _encode_symmetric(31.0, pack_int6), dequantize_int6),
     UnitPrecision("int3", 5, torch.uint8, lambda d: d * 3 // 8, _encode_int3, dequantize_int3),
-    UnitPrecision("klt4", 6, torch.uint8, lambda d: d // 2, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
-                  lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
-    UnitPrecision("klt5", 7, torch.uint8, lambda d: d * 5 // 8, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
-                  lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
-    UnitPrecision("klt6", 8, torch.uint8, lambda d: d * 3 // 4, lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
-                  lambda q, s, g, t: decode_klt(q, s, *t), tabled=True),
+    UnitPrecision(
+        "klt4",
+        6,
+        torch.uint8,
+        lambda d: d // 2,
+        lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
+        lambda q, s, g, t: decode_klt(q, s, *t),
+        tabled=True,
+    ),
+    UnitPrecision(
+        "klt5",
+        7,
+        torch.uint8,
+        lambda d: d * 5 // 8,
+        lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
+        lambda q, s, g, t: decode_klt(q, s, *t),
+        tabled=True,
+    ),
+    UnitPrecision(
+        "klt6",
+        8,
+        torch.uint8,
+        lambda d: d * 3 // 4,
+        lambda x, g, t, dec: encode_klt(x, *t, decoded=dec),
+        lambda q, s, g, t: decode_klt(q, s, *t),
+        tabled=True,
+    ),
 )
 BY_CODE = {p.code: p for p in PRECISIONS}
 PRECISION_CODES = {p.name: p.code for p in PRECISIONS}
 INT4, FP8, INT8, INT5, INT6, INT3 = (PRECISION_CODES[n] for n in ("int4", "fp8", "int8", "int5", "int6", "int3"))
-KLT_PRECISIONS = {"klt4": 4, "klt5": 5, "klt6": 6}  # name -> payload bits per key element (the unit's bits sum to that * D)
+KLT_PRECISIONS = {
+    "klt4": 4,
+    "klt5": 5,
+    "klt6": 6,
+}  # name -> payload bits per key element (the unit's bits sum to that * D)
 # the basis in float16: its transpose must invert it closely (a systematic error there distorts every key alike:
 # INT8 rounding of it doubled SmolLM2's held-out KL), and half of float32's bytes count against the budget
 KLT_TABLE_DTYPES = {"bits": torch.int8, "basis": torch.float16}
@@ -581,7 +664,7 @@ KERNEL_PRECISIONS = PRECISIONS[:4]
 
 
 # ---------------------------------------------------------------------------------------------
-# The KV plan: per-unit precision and static scales, decided at calibration (bpcompile/build/calibrate.py).
+# The KV plan: per-unit precision and static scales, decided at calibration (bpcompile/compiler/calibrate.py).
 
 FORMATS = ("int4-fp8-outlier", "int4-naive", "fp8", "int8", "fp16")
 DEFAULT_GROUP_SIZE = 128
@@ -618,19 +701,22 @@ class KVPlan:
 
     def __post_init__(self):
         if self.rotation not in ROTATIONS:
-            raise UserError(f"unknown KV rotation {self.rotation!r}; expected one of {', '.join(ROTATIONS)}",
-                            key="rotation")
+            raise UserError(
+                f"unknown KV rotation {self.rotation!r}; expected one of {', '.join(ROTATIONS)}", key="rotation"
+            )
         if self.rotation == "hadamard" and self.head_size & (self.head_size - 1):
-            raise UserError(f"a Hadamard rotation needs a power-of-two head size, got {self.head_size}",
-                            key="rotation")
+            raise UserError(f"a Hadamard rotation needs a power-of-two head size, got {self.head_size}", key="rotation")
         for name in ("k_channel_scale", "k_mean"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (self.num_layers, self.num_kv_heads, self.head_size):
-                raise UserError(f"{name} must be [{self.num_layers}, {self.num_kv_heads}, {self.head_size}], "
-                                f"got {list(t.shape)}", key=name)
+                raise UserError(
+                    f"{name} must be [{self.num_layers}, {self.num_kv_heads}, {self.head_size}], got {list(t.shape)}",
+                    key=name,
+                )
         if self.format not in FORMATS:
-            raise UserError(f"unknown KV cache format {self.format!r}; expected one of {', '.join(FORMATS)}",
-                            key="kv_cache.format")
+            raise UserError(
+                f"unknown KV cache format {self.format!r}; expected one of {', '.join(FORMATS)}", key="kv_cache.format"
+            )
         if self.group_size <= 0:
             raise UserError(f"group_size must be positive, got {self.group_size}", key="kv_cache.group_size")
         for name in ("sink_tokens", "recent_window"):
@@ -638,25 +724,36 @@ class KVPlan:
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise UserError(f"{name} must be a non-negative integer, got {n!r}", key=f"kv_cache.{name}")
         if self.format == "fp16" and self.has_exact:
-            raise UserError("an fp16 cache is exact already: sink_tokens and recent_window are for quantized formats",
-                            key="kv_cache.recent_window")
+            raise UserError(
+                "an fp16 cache is exact already: sink_tokens and recent_window are for quantized formats",
+                key="kv_cache.recent_window",
+            )
         if self.format != "fp16":
             g = self.effective_group_size
             if self.head_size % g or (self.head_size % 2):
-                raise UserError(f"group size {g} must divide the (even) head size {self.head_size}",
-                                key="kv_cache.group_size")
+                raise UserError(
+                    f"group size {g} must divide the (even) head size {self.head_size}", key="kv_cache.group_size"
+                )
             if len(self.precision) != self.num_layers or any(
-                    len(p.get(t, ())) != self.num_kv_heads for p in self.precision for t in ("k", "v")):
-                raise UserError(f"precision table must have {self.num_layers} layers x {{k,v}} x "
-                                f"{self.num_kv_heads} heads", key="precision")
+                len(p.get(t, ())) != self.num_kv_heads for p in self.precision for t in ("k", "v")
+            ):
+                raise UserError(
+                    f"precision table must have {self.num_layers} layers x {{k,v}} x {self.num_kv_heads} heads",
+                    key="precision",
+                )
             used = {x for p in self.precision for t in ("k", "v") for x in p[t]}
             if bad := used - set(PRECISION_CODES):
-                raise UserError(f"unknown unit precision(s) {sorted(bad)}; expected one of {', '.join(PRECISION_CODES)}",
-                                key="precision")
+                raise UserError(
+                    f"unknown unit precision(s) {sorted(bad)}; expected one of {', '.join(PRECISION_CODES)}",
+                    key="precision",
+                )
             self._check_klt(used)
             if used & {"int5", "int6", "int3"} and self.head_size % 8:
-                raise UserError(f"{'/'.join(sorted(used & {'int5', 'int6', 'int3'}))} units pack bit planes of 8 "
-                                f"values a byte: head size {self.head_size} is not a multiple of 8", key="precision")
+                raise UserError(
+                    f"{'/'.join(sorted(used & {'int5', 'int6', 'int3'}))} units pack bit planes of 8 "
+                    f"values a byte: head size {self.head_size} is not a multiple of 8",
+                    key="precision",
+                )
 
     def _check_klt(self, used: set) -> None:
         if not used & set(KLT_PRECISIONS):
@@ -665,23 +762,37 @@ class KVPlan:
         if any(x in KLT_PRECISIONS for p in self.precision for x in p["v"]):
             raise UserError("KLT precisions are for key units only", key="precision")
         if D % 8:
-            raise UserError(f"KLT units pack bit planes of 8 coefficients: head size {D} is not a multiple of 8",
-                            key="precision")
-        shapes = {"mean": (L, KV, D), "weight": (L, KV, D), "basis": (L, KV, D, D), "bits": (L, KV, D),
-                  "step": (L, KV, D), "level": (L, KV, D), "inv_freq": (D // 2,)}
+            raise UserError(
+                f"KLT units pack bit planes of 8 coefficients: head size {D} is not a multiple of 8", key="precision"
+            )
+        shapes = {
+            "mean": (L, KV, D),
+            "weight": (L, KV, D),
+            "basis": (L, KV, D, D),
+            "bits": (L, KV, D),
+            "step": (L, KV, D),
+            "level": (L, KV, D),
+            "inv_freq": (D // 2,),
+        }
         for name, shape in shapes.items():
             t = (self.klt or {}).get(name)
             if t is None or tuple(t.shape) != shape:
-                raise UserError(f"a plan with KLT units needs klt_{name} of shape {list(shape)}, got "
-                                f"{None if t is None else list(t.shape)}", key=f"klt_{name}")
+                raise UserError(
+                    f"a plan with KLT units needs klt_{name} of shape {list(shape)}, got "
+                    f"{None if t is None else list(t.shape)}",
+                    key=f"klt_{name}",
+                )
         bits = self.klt["bits"]
         for layer, p in enumerate(self.precision):
             for h, x in enumerate(p["k"]):
                 if x in KLT_PRECISIONS:
                     b = bits[layer, h].long()
                     if int(b.min()) < 0 or int(b.max()) > 8 or int(b.sum()) != KLT_PRECISIONS[x] * D:
-                        raise UserError(f"klt_bits of layer {layer} head {h} must be 0..8 and sum to "
-                                        f"{KLT_PRECISIONS[x] * D} ({x}), got sum {int(b.sum())}", key="klt_bits")
+                        raise UserError(
+                            f"klt_bits of layer {layer} head {h} must be 0..8 and sum to "
+                            f"{KLT_PRECISIONS[x] * D} ({x}), got sum {int(b.sum())}",
+                            key="klt_bits",
+                        )
 
     @property
     def has_klt(self) -> bool:
@@ -705,23 +816,32 @@ class KVPlan:
         sink_tokens + recent_window + lookahead entries (the ring also holds one step's tree)."""
         if not self.has_exact:
             return 0
-        return self.num_layers * self.num_kv_heads * 2 * 2 * self.head_size * (
-            self.sink_tokens + self.recent_window + lookahead)
+        return (
+            self.num_layers
+            * self.num_kv_heads
+            * 2
+            * 2
+            * self.head_size
+            * (self.sink_tokens + self.recent_window + lookahead)
+        )
 
     @property
     def effective_group_size(self) -> int:
         return min(self.group_size, self.head_size)
 
     @classmethod
-    def uniform(cls, format: str, num_layers: int, num_kv_heads: int, head_size: int,
-                group_size: int = DEFAULT_GROUP_SIZE) -> "KVPlan":
+    def uniform(
+        cls, format: str, num_layers: int, num_kv_heads: int, head_size: int, group_size: int = DEFAULT_GROUP_SIZE
+    ) -> "KVPlan":
         """Plans that need no calibration: fp16, fp8, int8 and int4-naive (G = D, no channel scale)."""
-        prec = {"fp8": "fp8", "int8": "int8", "int4-naive": "int4", "fp16": None,
-                "int4-fp8-outlier": "int4"}[format]
+        prec = {"fp8": "fp8", "int8": "int8", "int4-naive": "int4", "fp16": None, "int4-fp8-outlier": "int4"}[format]
         if format == "int4-naive":
             group_size = head_size
-        table = [] if prec is None else [{"k": [prec] * num_kv_heads, "v": [prec] * num_kv_heads}
-                                         for _ in range(num_layers)]
+        table = (
+            []
+            if prec is None
+            else [{"k": [prec] * num_kv_heads, "v": [prec] * num_kv_heads} for _ in range(num_layers)]
+        )
         return cls(format, num_layers, num_kv_heads, head_size, group_size, table)
 
     def shard(self, rank: int, tp: int) -> "KVPlan":
@@ -732,23 +852,31 @@ class KVPlan:
         idx = torch.tensor(heads)
         pick = lambda t, dim: None if t is None else t.index_select(dim, idx).contiguous()  # noqa: E731
         klt = None if self.klt is None else {n: t if n == "inv_freq" else pick(t, 1) for n, t in self.klt.items()}
-        return replace(self, num_kv_heads=len(heads),
-                       precision=[{t: [p[t][h] for h in heads] for t in ("k", "v")} for p in self.precision],
-                       k_channel_scale=pick(self.k_channel_scale, 1), int4_clip=pick(self.int4_clip, 2),
-                       k_mean=pick(self.k_mean, 1), klt=klt)
+        return replace(
+            self,
+            num_kv_heads=len(heads),
+            precision=[{t: [p[t][h] for h in heads] for t in ("k", "v")} for p in self.precision],
+            k_channel_scale=pick(self.k_channel_scale, 1),
+            int4_clip=pick(self.int4_clip, 2),
+            k_mean=pick(self.k_mean, 1),
+            klt=klt,
+        )
 
     def unit_precision(self) -> torch.Tensor:
         """[L, 2, KV] int8 precision codes."""
-        return torch.tensor([[[PRECISION_CODES[x] for x in p[t]] for t in ("k", "v")] for p in self.precision],
-                            dtype=torch.int8).reshape(self.num_layers, 2, self.num_kv_heads)
+        return torch.tensor(
+            [[[PRECISION_CODES[x] for x in p[t]] for t in ("k", "v")] for p in self.precision], dtype=torch.int8
+        ).reshape(self.num_layers, 2, self.num_kv_heads)
 
     def bytes_per_token(self) -> int:
         """Payload + scales per token over all units (what the pools allocate per slot)."""
         d, g = self.head_size, self.effective_group_size
         if self.format == "fp16":
             return self.num_layers * self.num_kv_heads * 2 * 2 * d
-        return sum(BY_CODE[int(c)].payload_width(d) + 2 * (1 if BY_CODE[int(c)].tabled else d // g)
-                   for c in self.unit_precision().flatten())
+        return sum(
+            BY_CODE[int(c)].payload_width(d) + 2 * (1 if BY_CODE[int(c)].tabled else d // g)
+            for c in self.unit_precision().flatten()
+        )
 
     def compression_vs_fp16(self, seq_len: Optional[int] = None, lookahead: int = 0) -> float:
         """FP16 bytes / this plan's bytes per cached token; with exact entries, their per-sequence copies are
@@ -762,13 +890,24 @@ class KVPlan:
         return fp16 * n / (self.bytes_per_token() * n + self.exact_bytes_per_sequence(lookahead))
 
     def to_json(self) -> dict:
-        return {"format": self.format, "version": PLAN_VERSION, "num_layers": self.num_layers,
-                "num_kv_heads": self.num_kv_heads, "head_size": self.head_size, "group_size": self.group_size,
-                "outlier_fraction": self.outlier_fraction, "precision": self.precision,
-                "has_k_channel_scale": self.k_channel_scale is not None,
-                "has_int4_clip": self.int4_clip is not None, "rotation": self.rotation,
-                "has_k_mean": self.k_mean is not None, "sink_tokens": self.sink_tokens,
-                "recent_window": self.recent_window, "has_klt": self.klt is not None, "calibration": self.calibration}
+        return {
+            "format": self.format,
+            "version": PLAN_VERSION,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "group_size": self.group_size,
+            "outlier_fraction": self.outlier_fraction,
+            "precision": self.precision,
+            "has_k_channel_scale": self.k_channel_scale is not None,
+            "has_int4_clip": self.int4_clip is not None,
+            "rotation": self.rotation,
+            "has_k_mean": self.k_mean is not None,
+            "sink_tokens": self.sink_tokens,
+            "recent_window": self.recent_window,
+            "has_klt": self.klt is not None,
+            "calibration": self.calibration,
+        }
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
@@ -797,21 +936,40 @@ class KVPlan:
             raise UserError(f"not valid JSON: {e}", file=str(f)) from None
         version = j.get("version", 1)
         if version not in (1, PLAN_VERSION):
-            raise UserError(f"KV plan version {version!r} is not one this bpcompile reads (1 or {PLAN_VERSION}); "
-                            "rebuild the engine", file=str(f), key="version")
+            raise UserError(
+                f"KV plan version {version!r} is not one this bpcompile reads (1 or {PLAN_VERSION}); "
+                "rebuild the engine",
+                file=str(f),
+                key="version",
+            )
         try:
             t = load_file(str(d / "scales.safetensors")) if (d / "scales.safetensors").exists() else {}
-            plan = cls(j["format"], j["num_layers"], j["num_kv_heads"], j["head_size"], j["group_size"],
-                       j["precision"], t.get("k_channel_scale"), t.get("int4_clip"),
-                       j.get("outlier_fraction", 0.0), j.get("calibration", {}),
-                       j.get("rotation", "none"), t.get("k_mean"), j.get("sink_tokens", 0), j.get("recent_window", 0),
-                       {n[4:]: x for n, x in t.items() if n.startswith("klt_")} or None)
+            plan = cls(
+                j["format"],
+                j["num_layers"],
+                j["num_kv_heads"],
+                j["head_size"],
+                j["group_size"],
+                j["precision"],
+                t.get("k_channel_scale"),
+                t.get("int4_clip"),
+                j.get("outlier_fraction", 0.0),
+                j.get("calibration", {}),
+                j.get("rotation", "none"),
+                t.get("k_mean"),
+                j.get("sink_tokens", 0),
+                j.get("recent_window", 0),
+                {n[4:]: x for n, x in t.items() if n.startswith("klt_")} or None,
+            )
         except KeyError as e:
             raise UserError("missing key in KV plan", file=str(f), key=str(e.args[0])) from None
         for name in ("k_channel_scale", "k_mean", "klt"):
             if j.get(f"has_{name}") and getattr(plan, name) is None:
-                raise UserError(f"plan says it has {name} but scales.safetensors lacks it",
-                                file=str(d / "scales.safetensors"), key=name)
+                raise UserError(
+                    f"plan says it has {name} but scales.safetensors lacks it",
+                    file=str(d / "scales.safetensors"),
+                    key=name,
+                )
         return plan
 
 
@@ -822,8 +980,14 @@ class KVPlan:
 class QuantKVStore(KVStore):
     """Mixed-precision paged cache: one pool per precision for all layers, [P, U, S, ...] each."""
 
-    def __init__(self, plan: KVPlan, num_pages: int, page_size: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        plan: KVPlan,
+        num_pages: int,
+        page_size: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if plan.format == "fp16":
             raise ValueError("fp16 plans use FloatKVStore (make_kv_store picks it)")
         L, KV, D = plan.num_layers, plan.num_kv_heads, plan.head_size
@@ -844,11 +1008,13 @@ class QuantKVStore(KVStore):
         self.payload, self.scales = {}, {}
         for prec in PRECISIONS:
             n = int(counts.get(prec.code, 0))
-            self.payload[prec.code] = torch.zeros(num_pages, n, page_size, prec.payload_width(D),
-                                                  dtype=prec.payload_dtype, device=dev)
+            self.payload[prec.code] = torch.zeros(
+                num_pages, n, page_size, prec.payload_width(D), dtype=prec.payload_dtype, device=dev
+            )
             # a KLT unit has one scale per token whatever the group size (its coefficients share one range)
-            self.scales[prec.code] = torch.zeros(num_pages, n, page_size, 1 if prec.tabled else D // G,
-                                                 dtype=torch.float16, device=dev)
+            self.scales[prec.code] = torch.zeros(
+                num_pages, n, page_size, 1 if prec.tabled else D // G, dtype=torch.float16, device=dev
+            )
         kcs = plan.k_channel_scale if plan.k_channel_scale is not None else torch.ones(L, KV, D)
         clip = plan.int4_clip if plan.int4_clip is not None else torch.ones(L, 2, KV)
         self.k_channel_scale = kcs.float().to(dev).contiguous()
@@ -870,31 +1036,50 @@ class QuantKVStore(KVStore):
                     self._klt[layer] = (hi, *(t[n][layer, hi] for n in ("basis", "weight", "mean")))
         # what the kernels multiply dequantized keys by: with a transform the channel scale is folded into the
         # query instead (kernel_query), and the kernels see ones
-        self.kernel_k_channel_scale = torch.ones_like(self.k_channel_scale) if self.transformed else self.k_channel_scale
+        self.kernel_k_channel_scale = (
+            torch.ones_like(self.k_channel_scale) if self.transformed else self.k_channel_scale
+        )
         # layer -> [(precision, unit ids on the stacked K|V axis (kv * KV + head), pool indices, INT4 clip)]:
         # write/read handle K and V of a layer together, one gather per precision (small ops dominate on CPU)
         self._groups = {}
         for layer in range(L):
             prec = self.unit_precision[layer].flatten().cpu()
             self._groups[layer] = [
-                (c, units.to(dev), self.unit_index[layer].flatten()[units.to(dev)].long(),
-                 self._klt_tables(layer, units) if BY_CODE[c].tabled
-                 else self.int4_clip[layer].flatten()[units.to(dev)][None, :, None])
-                for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
+                (
+                    c,
+                    units.to(dev),
+                    self.unit_index[layer].flatten()[units.to(dev)].long(),
+                    self._klt_tables(layer, units)
+                    if BY_CODE[c].tabled
+                    else self.int4_clip[layer].flatten()[units.to(dev)][None, :, None],
+                )
+                for c in BY_CODE
+                if len(units := (prec == c).nonzero().flatten()) > 0
+            ]
         # the same over every layer's units at once (global unit id layer * 2 * KV + unit), for write_layers; a KLT
         # group's tables are its units' rows of every layer, stacked
         prec = self.unit_precision.flatten().cpu()
         self._all_groups = [
-            (c, units.to(dev), self.unit_index.flatten()[units.to(dev)].long(),
-             self._klt_tables(units // (2 * KV), units % (2 * KV)) if BY_CODE[c].tabled
-             else self.int4_clip.flatten()[units.to(dev)][None, :, None])
-            for c in BY_CODE if len(units := (prec == c).nonzero().flatten()) > 0]
+            (
+                c,
+                units.to(dev),
+                self.unit_index.flatten()[units.to(dev)].long(),
+                self._klt_tables(units // (2 * KV), units % (2 * KV))
+                if BY_CODE[c].tabled
+                else self.int4_clip.flatten()[units.to(dev)][None, :, None],
+            )
+            for c in BY_CODE
+            if len(units := (prec == c).nonzero().flatten()) > 0
+        ]
         # every KLT key unit of the plan as (layer, head), with its basis, weight and mean stacked: write_layers
         # transforms them all in one product
         if self._klt:
             lh = [(layer, int(h)) for layer, (hi, *_) in self._klt.items() for h in hi.tolist()]
-            self._klt_all = (torch.tensor([x[0] for x in lh], device=dev), torch.tensor([x[1] for x in lh], device=dev),
-                             *(torch.cat([self._klt[layer][i] for layer in self._klt]) for i in (1, 2, 3)))
+            self._klt_all = (
+                torch.tensor([x[0] for x in lh], device=dev),
+                torch.tensor([x[1] for x in lh], device=dev),
+                *(torch.cat([self._klt[layer][i] for layer in self._klt]) for i in (1, 2, 3)),
+            )
 
     def _dither(self, layer: int, units: torch.Tensor, p, o) -> torch.Tensor:
         """KLT units' dither for slots (p, o): from their recorded positions and global unit ids (K units; layer -1:
@@ -909,8 +1094,9 @@ class QuantKVStore(KVStore):
         bits = t["bits"][layer, heads].long()
         coef, shift = klt_pack_index(bits)
         dev = self.unit_precision.device
-        return tuple(x.to(dev) for x in (bits, t["step"][layer, heads].float(), t["level"][layer, heads].float(),
-                                         coef, shift))
+        return tuple(
+            x.to(dev) for x in (bits, t["step"][layer, heads].float(), t["level"][layer, heads].float(), coef, shift)
+        )
 
     def pools(self, precisions=PRECISIONS) -> list[torch.Tensor]:
         """Payload and scale pool of each of `precisions` (default: all), in registry order. The kernels, the ONNX
@@ -929,8 +1115,9 @@ class QuantKVStore(KVStore):
     def _split(self, slots):
         return slots // self.page_size, slots % self.page_size
 
-    def _quantize(self, x: torch.Tensor, layer: int, p, o, out: Optional[torch.Tensor] = None,
-                  groups: Optional[list] = None) -> None:
+    def _quantize(
+        self, x: torch.Tensor, layer: int, p, o, out: Optional[torch.Tensor] = None, groups: Optional[list] = None
+    ) -> None:
         """x [N, 2 * KV, D]: K units then V units of one layer, transformed. out (same shape): also receives what
         a read of these slots returns, decoded from the codes just made (no gather from the pools). groups: the
         units to encode (default: the layer's; `_all_groups` with x [N, L * 2 * KV, D], every layer's units)."""
@@ -956,8 +1143,12 @@ class QuantKVStore(KVStore):
         for c, heads, idx, tables in self._groups[layer]:
             pi, ii, oi = p[:, None], idx[None, :], o[:, None]
             prec = BY_CODE[c]
-            out[:, heads] = prec.decode(self.payload[c][pi, ii, oi], self.scales[c][pi, ii, oi], self.G,
-                                        *((tables + (self._dither(layer, heads, p, o),),) if prec.tabled else ()))
+            out[:, heads] = prec.decode(
+                self.payload[c][pi, ii, oi],
+                self.scales[c][pi, ii, oi],
+                self.G,
+                *((tables + (self._dither(layer, heads, p, o),),) if prec.tabled else ()),
+            )
         return out
 
     @property
@@ -969,10 +1160,11 @@ class QuantKVStore(KVStore):
         """Step 1 of §3 for k, v [N, KV, D]: k -> ((k - k_mean) / c) @ H, v -> v @ H, in float32 (without a
         rotation H is the identity, without k_mean the mean is 0). The kernels quantize exactly these values."""
         kv = self._transform(layer, k, v)
-        return kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]
+        return kv[:, : self.num_kv_heads], kv[:, self.num_kv_heads :]
 
-    def _transform(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                   positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _transform(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """transform() as one [N, 2 * KV, D] tensor, K units then V units; KLT key units (which need the tokens'
         positions) as their coefficients, (unrope(k) - mean) @ basis."""
         raw = k
@@ -1048,8 +1240,9 @@ class QuantKVStore(KVStore):
         x = x @ self._H if self._H is not None else x
         if self._klt:  # KLT key units: their coefficients, (unrope(k) - mean) @ basis, as _transform computes them
             ll, hh, *tables = self._klt_all
-            x[ll, :, hh] = klt_coefficients(k[ll, :, hh].transpose(0, 1), positions, self.inv_freq,
-                                            *tables).transpose(0, 1)
+            x[ll, :, hh] = klt_coefficients(k[ll, :, hh].transpose(0, 1), positions, self.inv_freq, *tables).transpose(
+                0, 1
+            )
         x = x.transpose(0, 1).reshape(N, L * 2 * KV, D)
         out = torch.empty_like(x) if decoded else None
         self._quantize(x, -1, p, o, out, self._all_groups)
@@ -1072,13 +1265,14 @@ class QuantKVStore(KVStore):
         positions = self.positions[p, o] if self.positions is not None else None
         return self._untransform(layer, self._dequantize(layer, p, o), positions)
 
-    def _untransform(self, layer: int, kv: torch.Tensor,
-                     positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _untransform(
+        self, layer: int, kv: torch.Tensor, positions: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2 * KV, D] in the stored basis -> k, v [N, KV, D] as the model sees them, in the compute dtype."""
         z = kv
         if self._H is not None:
             kv = kv @ self._H
-        k, v = kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]
+        k, v = kv[:, : self.num_kv_heads], kv[:, self.num_kv_heads :]
         if self._has_kcs:
             k = k * self.k_channel_scale[layer]
         if self.k_mean is not None:
@@ -1106,31 +1300,43 @@ class QuantKVStore(KVStore):
         return sum(t.numel() * t.element_size() for t in self.pools() + static)
 
 
-def make_kv_store(plan: KVPlan, model_cfg, num_pages: int, page_size: int,
-                  device: str | torch.device = "cpu") -> KVStore:
+def make_kv_store(
+    plan: KVPlan, model_cfg, num_pages: int, page_size: int, device: str | torch.device = "cpu"
+) -> KVStore:
     """The store a plan describes. `read` returns float32 (FloatKVStore fp16 returns fp16): cast to the
     compute dtype at the call site."""
     c = model_cfg
     if (plan.num_layers, plan.num_kv_heads, plan.head_size) != (c.num_layers, c.num_kv_heads, c.head_size):
-        raise UserError(f"KV plan is for {plan.num_layers} layers x {plan.num_kv_heads} KV heads x head size "
-                        f"{plan.head_size}, model has {c.num_layers} x {c.num_kv_heads} x {c.head_size}",
-                        key="kv_plan")
+        raise UserError(
+            f"KV plan is for {plan.num_layers} layers x {plan.num_kv_heads} KV heads x head size "
+            f"{plan.head_size}, model has {c.num_layers} x {c.num_kv_heads} x {c.head_size}",
+            key="kv_plan",
+        )
     if plan.format == "fp16":
-        return FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, num_pages, page_size,
-                            dtype=torch.float16, device=device)
+        return FloatKVStore(
+            c.num_layers, c.num_kv_heads, c.head_size, num_pages, page_size, dtype=torch.float16, device=device
+        )
     return QuantKVStore(plan, num_pages, page_size, device)
 
 
 def kv_store_factory(plan: KVPlan):
     """For Generator(kv_store_factory=...): (model_cfg, num_pages, page_size, device) -> KVStore."""
+
     def factory(model_cfg, num_pages, page_size, device="cpu"):
         return make_kv_store(plan, model_cfg, num_pages, page_size, device)
+
     return factory
 
 
-def fake_quantize(x: torch.Tensor, precision: str, group_size: int,
-                  channel_scale: Optional[torch.Tensor] = None, clip=1.0, mean: Optional[torch.Tensor] = None,
-                  rotate: bool = False) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor,
+    precision: str,
+    group_size: int,
+    channel_scale: Optional[torch.Tensor] = None,
+    clip=1.0,
+    mean: Optional[torch.Tensor] = None,
+    rotate: bool = False,
+) -> torch.Tensor:
     """Quantize then dequantize x [..., D] exactly as the store does (calibration and tests use it):
     x -> (x - mean) / channel_scale -> @ H (rotate) -> quantize -> dequantize -> @ H -> * channel_scale + mean."""
     x = x.float()

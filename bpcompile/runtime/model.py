@@ -8,6 +8,7 @@ Attention is a seam: `Llama.forward` computes q/k/v (RoPE applied) and hands the
 was given; the runtime passes a callback that appends k/v to its paged (possibly quantized) cache
 and attends over committed context plus a speculation tree. Custom kernels slot in there.
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,8 +74,12 @@ class ModelConfig:
     def shard(self, tp: int) -> "ModelConfig":
         """One tensor-parallel rank's share, as the converter splits it: query heads and the MLP's intermediate
         size divided by tp, KV heads too (one, duplicated, when tp exceeds them). vocab_size stays the model's."""
-        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1),
-                       intermediate_size=self.intermediate_size // tp)
+        return replace(
+            self,
+            num_heads=self.num_heads // tp,
+            num_kv_heads=max(self.num_kv_heads // tp, 1),
+            intermediate_size=self.intermediate_size // tp,
+        )
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -179,8 +184,9 @@ class PackedLinear(torch.nn.Module):
             return y if self.bias is None else y + self.bias
         if not self.low:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        y = torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype).contiguous(), self.packed, None, "none", [],
-                                               "").to(x.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.to(self.packed.dtype).contiguous(), self.packed, None, "none", [], ""
+        ).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -297,8 +303,10 @@ class Block(torch.nn.Module):
         self.o = _Linear(w[p + "attention.dense.weight"], w.get(p + "attention.dense.bias"))
         # TRT-LLM naming: mlp.fc = HF gate_proj, mlp.gate = HF up_proj
         fc_b, up_b = w.get(p + "mlp.fc.bias"), w.get(p + "mlp.gate.bias")
-        self.gate_up = _Linear(torch.cat((w[p + "mlp.fc.weight"], w[p + "mlp.gate.weight"])),
-                               torch.cat((fc_b, up_b)) if fc_b is not None else None)
+        self.gate_up = _Linear(
+            torch.cat((w[p + "mlp.fc.weight"], w[p + "mlp.gate.weight"])),
+            torch.cat((fc_b, up_b)) if fc_b is not None else None,
+        )
         self.down = _Linear(w[p + "mlp.proj.weight"], w.get(p + "mlp.proj.bias"))
 
     def weights(self, p: str) -> dict[str, torch.Tensor]:
@@ -315,15 +323,16 @@ class Block(torch.nn.Module):
                 out[p + name + ".bias"] = self.gate_up.bias[part]
         return out
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attend: Optional[AttendFn]) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: Optional[AttendFn]
+    ) -> torch.Tensor:
         c = self.cfg
         B, T, _ = h.shape
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_size
         qkv = self.qkv(rms_norm(h, self.attn_norm, c.norm_eps))
-        qk = apply_rope(qkv[..., :(H + KV) * D].view(B, T, H + KV, D), cos, sin)  # q and k heads in one go
+        qk = apply_rope(qkv[..., : (H + KV) * D].view(B, T, H + KV, D), cos, sin)  # q and k heads in one go
         q, k = qk[:, :, :H], qk[:, :, H:]
-        v = qkv[..., (H + KV) * D:].view(B, T, KV, D)
+        v = qkv[..., (H + KV) * D :].view(B, T, KV, D)
         o = attend(layer, q, k, v) if attend is not None else causal_attend(q, k, v)
         h = h + self.o(o.reshape(B, T, H * D))
         gate, up = self.gate_up(rms_norm(h, self.mlp_norm, c.norm_eps)).chunk(2, dim=-1)
@@ -367,7 +376,7 @@ def _one_buffer(lins: list, attr: str) -> None:
     off = (-flat.data_ptr() // t.element_size()) % align
     for lin, n in zip(lins, sizes):
         w = getattr(lin, attr)
-        setattr(lin, attr, flat[off:off + w.numel()].view(w.shape).copy_(w))
+        setattr(lin, attr, flat[off : off + w.numel()].view(w.shape).copy_(w))
         off += n
 
 
@@ -422,8 +431,9 @@ class Llama(torch.nn.Module):
         return cls(cfg, merge_ranks(ckpt_dir), dtype)
 
     @classmethod
-    def from_rank(cls, ckpt_dir: str | Path, rank: int, tp: int, group,
-                  dtype: Optional[torch.dtype] = torch.float32) -> "Llama":
+    def from_rank(
+        cls, ckpt_dir: str | Path, rank: int, tp: int, group, dtype: Optional[torch.dtype] = torch.float32
+    ) -> "Llama":
         """Tensor-parallel rank `rank` of a checkpoint converted for tp: only its own rank file is read; the
         row-split linears sum their partial products over `group` (a torch.distributed process group) and the
         vocab-split head gathers its logits, so every rank's forward returns the whole model's logits."""
@@ -465,8 +475,11 @@ class Llama(torch.nn.Module):
     def w(self) -> dict[str, torch.Tensor]:
         """All weights under TensorRT-LLM names (views: modifying them modifies the model; packed linears give
         copies)."""
-        out = {"transformer.vocab_embedding.weight": self.embed, "transformer.ln_f.weight": self.norm,
-               "lm_head.weight": self.lm_head}
+        out = {
+            "transformer.vocab_embedding.weight": self.embed,
+            "transformer.ln_f.weight": self.norm,
+            "lm_head.weight": self.lm_head,
+        }
         for i, blk in enumerate(self.layers):
             out.update(blk.weights(f"transformer.layers.{i}."))
         return out
@@ -505,8 +518,14 @@ class Llama(torch.nn.Module):
         return self._rope
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                attend: Optional[AttendFn] = None, last_only: bool = False, return_hidden: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        attend: Optional[AttendFn] = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ):
         """tokens, positions: [B,T] int64 -> logits [B,T,vocab] (float32); with return_hidden also the final
         hidden states [B,T,hidden] (after the final norm, every position even when last_only): the features a
         FeatureDraft reads."""
@@ -551,8 +570,9 @@ class FeatureDraft(torch.nn.Module):
 
     reads_features = True
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], verifier: Llama,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], verifier: Llama, dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         w = {k: v.to(dtype) for k, v in weights.items()}
@@ -564,8 +584,13 @@ class FeatureDraft(torch.nn.Module):
         ids = weights.get("vocab_subset")
         if ids is not None:
             ids = ids.to(torch.int64)
-            if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size \
-                    or len(ids.unique()) != len(ids):
+            if (
+                ids.dim() != 1
+                or not len(ids)
+                or int(ids.min()) < 0
+                or int(ids.max()) >= cfg.vocab_size
+                or len(ids.unique()) != len(ids)
+            ):
                 raise ValueError(f"vocab_subset must be distinct token ids in [0, {cfg.vocab_size})")
             self.register_buffer("vocab_subset", ids)
             self.sub_head = _Linear(verifier.lm_head[: cfg.vocab_size][ids].to(dtype))
@@ -585,8 +610,9 @@ class FeatureDraft(torch.nn.Module):
         meta = json.loads((p / "config.json").read_text())
         if meta.get("architecture") != "FeatureDraft":
             raise ValueError(f"{p / 'config.json'}: architecture {meta.get('architecture')!r}, expected FeatureDraft")
-        cfg = replace(verifier.cfg, num_layers=int(meta["num_layers"]),
-                      intermediate_size=int(meta["intermediate_size"]))
+        cfg = replace(
+            verifier.cfg, num_layers=int(meta["num_layers"]), intermediate_size=int(meta["intermediate_size"])
+        )
         return cls(cfg, load_file(p / "model.safetensors"), verifier, verifier.dtype)
 
     def _apply(self, fn, *args, **kwargs):
@@ -612,10 +638,15 @@ class FeatureDraft(torch.nn.Module):
         return bool(_to_cpu_layout(self, layout))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                attend: Optional[AttendFn] = None, last_only: bool = False,
-                feats: Optional[torch.Tensor] = None,
-                rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        attend: Optional[AttendFn] = None,
+        last_only: bool = False,
+        feats: Optional[torch.Tensor] = None,
+        rows: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions [B,T], feats [B,T,hidden] (the feature before each token) -> (logits float32
         [B,T,vocab], or [B,T,N] over `proposable`; predicted features [B,T,hidden])."""
         v = self.verifier

@@ -1,4 +1,4 @@
-"""The onnxruntime executor: a model's exported step graphs (bpcompile/build/onnx_export.py) run by ONNX Runtime
+"""The onnxruntime executor: a model's exported step graphs (bpcompile/compiler/onnx_export.py) run by ONNX Runtime
 on the runtime's own paged cache, in place of the torch executor.
 
 The custom-op nodes run their PyTorch reference implementations (runtime/plugin_ops.py) as onnxruntime-extensions
@@ -7,6 +7,7 @@ registered once per pool dtype, the graph this executor loads names the variant 
 `BpFloatKVAppend_float16`) and fp16 edges cross the bridge as float32 (exact); the files on disk keep the
 plugin names. The executor binds the store's pools on every call and writes the
 updated pools back into the store (the bridge copies them: this is a correctness path, not a fast one)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,15 +36,24 @@ def _ort():
         import onnxruntime
         import onnxruntime_extensions
     except ImportError as e:
-        raise MissingDependency(f"the onnxruntime executor needs onnxruntime and onnxruntime-extensions ({e}); "
-                                "pip install 'bpcompile[onnx]'", key="executor") from None
+        raise MissingDependency(
+            f"the onnxruntime executor needs onnxruntime and onnxruntime-extensions ({e}); "
+            "pip install 'bpcompile[onnx]'",
+            key="executor",
+        ) from None
     return onnxruntime, onnxruntime_extensions
 
 
 def _dt(dtype: torch.dtype):
     from onnxruntime_extensions import PyCustomOpDef as D
-    return {torch.float32: D.dt_float, torch.uint8: D.dt_uint8, torch.int8: D.dt_int8, torch.int32: D.dt_int32,
-            torch.int64: D.dt_int64}[torch.float32 if dtype in _WIDE else dtype]
+
+    return {
+        torch.float32: D.dt_float,
+        torch.uint8: D.dt_uint8,
+        torch.int8: D.dt_int8,
+        torch.int32: D.dt_int32,
+        torch.int64: D.dt_int64,
+    }[torch.float32 if dtype in _WIDE else dtype]
 
 
 def _register(op: str, name: str, inputs: list[torch.dtype], outputs: list[torch.dtype]) -> None:
@@ -72,8 +82,11 @@ def _register_all() -> None:
     if _REGISTERED:
         return
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
-    pools = [p.payload_dtype if part == "payload" else torch.float16 for p in KERNEL_PRECISIONS
-             for part in ("payload", "scales")]
+    pools = [
+        p.payload_dtype if part == "payload" else torch.float16
+        for p in KERNEL_PRECISIONS
+        for part in ("payload", "scales")
+    ]
     tables = [torch.int8, i32, f32, f32]  # unit_precision, unit_index, k_channel_scale, int4_clip
     meta = [i32] * len(ops.ATTENTION_META)
     _register(ops.QUANT_APPEND, ops.QUANT_APPEND, [f32, f32, i64, *pools, *tables], pools)
@@ -126,8 +139,11 @@ def _session(path: Path, rename: dict[str, str]):
 
     ort, ox = _ort()
     if not path.is_file():
-        raise UserError(f"{path}: no exported graph here (build with runtime.onnx: true, or export with "
-                        "bpcompile.build.onnx_export.export_generator)", file=str(path))
+        raise UserError(
+            f"{path}: no exported graph here (build with runtime.onnx: true, or export with "
+            "bpcompile.compiler.onnx_export.export_generator)",
+            file=str(path),
+        )
     m = onnx.load(str(path))  # with its external weights
     _for_bridge(m.graph, rename)
     so = ort.SessionOptions()
@@ -141,14 +157,18 @@ class OnnxExecutor(Executor):
     def __init__(self, model: Llama, kv: PagedKV, device: torch.device, lookahead: int, graphs: Path):
         super().__init__(model, kv, device, lookahead)
         if device.type != "cpu" or model.dtype != torch.float32:
-            raise UserError(f"the onnxruntime executor runs float32 graphs on the CPU (model is {model.dtype} on "
-                            f"{device})", key="executor")
+            raise UserError(
+                f"the onnxruntime executor runs float32 graphs on the CPU (model is {model.dtype} on {device})",
+                key="executor",
+            )
         if kv.dense is not None:
             raise ValueError("the onnxruntime executor reads the paged store, not a dense copy")
         if ops.is_quantized(kv.store) and not kv.store.kernel_readable:
-            raise UserError("the ONNX step graphs read INT4/FP8/INT8/INT5 units; this KV plan has INT6, INT3 or KLT "
-                            "units, which the torch executor reads (kv_cache: int6_keys / int3_values / key_transform)",
-                            key="executor")
+            raise UserError(
+                "the ONNX step graphs read INT4/FP8/INT8/INT5 units; this KV plan has INT6, INT3 or KLT "
+                "units, which the torch executor reads (kv_cache: int6_keys / int3_values / key_transform)",
+                key="executor",
+            )
         _register_all()
         rename = _renames(kv.store)
         self.prefill_sess = _session(Path(graphs) / "prefill.onnx", rename)
@@ -164,7 +184,9 @@ class OnnxExecutor(Executor):
             t.copy_(torch.from_numpy(new))
         return torch.from_numpy(outs[0])
 
-    def prefill(self, reqs: list[Request], last_logits: bool, feats: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def prefill(
+        self, reqs: list[Request], last_logits: bool, feats: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         assert feats is None, "feature drafts run on the torch executor (the Generator refuses them here)"
         kv = self.kv
         lens = [len(r.prompt) for r in reqs]
@@ -172,16 +194,26 @@ class OnnxExecutor(Executor):
         for r in reqs:
             kv.ensure(r.id, len(r.prompt) + self.lookahead)
         tok = np.array([r.prompt + [0] * (T - len(r.prompt)) for r in reqs], dtype=np.int64)
-        slots = np.array([[kv.slot(r.id, i) for i in range(len(r.prompt))] + [0] * (T - len(r.prompt))
-                          for r in reqs], dtype=np.int64).reshape(-1)
-        logits = self._run(self.prefill_sess, {"tokens": tok, "last_index": np.array(lens, dtype=np.int64) - 1,
-                                               "slots": slots})
+        slots = np.array(
+            [[kv.slot(r.id, i) for i in range(len(r.prompt))] + [0] * (T - len(r.prompt)) for r in reqs], dtype=np.int64
+        ).reshape(-1)
+        logits = self._run(
+            self.prefill_sess, {"tokens": tok, "last_index": np.array(lens, dtype=np.int64) - 1, "slots": slots}
+        )
         return logits if last_logits else None
 
-    def forward(self, reqs: list[Request], tokens: list[list[int]], positions: list[list[int]],
-                writes: list[list[int]], ctx: list[int], tree_lens: list[int],
-                mask_rows: Optional[list[list[int]]] = None, feats: Optional[torch.Tensor] = None,
-                logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+    def forward(
+        self,
+        reqs: list[Request],
+        tokens: list[list[int]],
+        positions: list[list[int]],
+        writes: list[list[int]],
+        ctx: list[int],
+        tree_lens: list[int],
+        mask_rows: Optional[list[list[int]]] = None,
+        feats: Optional[torch.Tensor] = None,
+        logit_rows: Optional[list[int]] = None,
+    ) -> torch.Tensor:
         assert feats is None and logit_rows is None, "feature drafts run on the torch executor"
         kv = self.kv
         T = max(len(t) for t in tokens)
@@ -191,10 +223,17 @@ class OnnxExecutor(Executor):
         words = max(1, -(-max(max(tree_lens), T) // 32))
         mask = torch.stack([pack_rows(rows + [0] * (T - len(rows)), words) for rows in mask_rows])
         i32 = lambda xs: np.array(xs, dtype=np.int32)  # noqa: E731
-        feeds = {"tokens": np.array(pad(tokens), dtype=np.int64), "positions": np.array(pad(positions), dtype=np.int64),
-                 "slots": np.array(pad([[kv.slot(r.id, i) for i in w] for r, w in zip(reqs, writes)]),
-                                   dtype=np.int64).reshape(-1),
-                 "block_tables": kv.block_tables([r.id for r in reqs], "cpu").numpy(), "context_lens": i32(ctx),
-                 "tree_lens": i32(tree_lens), "q_lens": i32([len(t) for t in tokens]), "tree_mask": mask.numpy()}
+        feeds = {
+            "tokens": np.array(pad(tokens), dtype=np.int64),
+            "positions": np.array(pad(positions), dtype=np.int64),
+            "slots": np.array(
+                pad([[kv.slot(r.id, i) for i in w] for r, w in zip(reqs, writes)]), dtype=np.int64
+            ).reshape(-1),
+            "block_tables": kv.block_tables([r.id for r in reqs], "cpu").numpy(),
+            "context_lens": i32(ctx),
+            "tree_lens": i32(tree_lens),
+            "q_lens": i32([len(t) for t in tokens]),
+            "tree_mask": mask.numpy(),
+        }
         self.forwards += 1
         return self._run(self.step_sess, feeds)

@@ -7,6 +7,7 @@
   `paged_attention` is the one attention function over it (plain PyTorch here; the Triton kernels replace it
   where they run), `dense_attention` the same over a `DenseKV` copy.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,9 +39,12 @@ def cache_pages(max_batch_size: int, max_seq_len: int, lookahead: int, page_size
 
 def float_store_factory(dtype: torch.dtype) -> KVStoreFactory:
     """Unquantized pages in `dtype` (the model's own, or FP16 for `kv_cache.format: fp16`)."""
+
     def make(cfg: ModelConfig, num_pages: int, page_size: int, device) -> KVStore:
-        return FloatKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, num_pages, page_size,
-                            dtype=dtype, device=device)
+        return FloatKVStore(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_size, num_pages, page_size, dtype=dtype, device=device
+        )
+
     return make
 
 
@@ -69,8 +73,8 @@ class DenseKV:
             self.shape[3] = min(self.length, max(n, 2 * self.k.shape[3], 64))
             k, v = self.k, self.v
             self.k, self.v = (torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
-            self.k[:, :, :, :k.shape[3]] = k
-            self.v[:, :, :, :v.shape[3]] = v
+            self.k[:, :, :, : k.shape[3]] = k
+            self.v[:, :, :, : v.shape[3]] = v
 
     def write(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, KV, D] at (row, logical index) pairs rows[N], idx[N]."""
@@ -89,7 +93,7 @@ class DenseKV:
     def read(self, layer: int, rows: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [0, n) of each row -> k, v [B, KV, n, D] (a view for one row)."""
         if len(rows) == 1:
-            return self.k[layer, rows[0]:rows[0] + 1, :, :n], self.v[layer, rows[0]:rows[0] + 1, :, :n]
+            return self.k[layer, rows[0] : rows[0] + 1, :, :n], self.v[layer, rows[0] : rows[0] + 1, :, :n]
         r = torch.tensor(rows, device=self.k.device)
         return self.k[layer, :, :, :n].index_select(0, r), self.v[layer, :, :, :n].index_select(0, r)
 
@@ -141,8 +145,9 @@ class RecentKV:
         self.k[:, rows, :, d] = self.k[:, rows, :, s].clone()
         self.v[:, rows, :, d] = self.v[:, rows, :, s].clone()
 
-    def read(self, layer: int, rows: torch.Tensor, col: torch.Tensor,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, rows: torch.Tensor, col: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns col [B, M] (`column` of the entries wanted, computed once per forward) of rows [B] -> k, v
         [B, KV, M, D] in dtype."""
         if rows.numel() == 1:  # decode of one sequence: a plain index, no gather of row ids
@@ -169,8 +174,9 @@ class PagedKV:
     `kern`: the Triton kernels module when they run for this store (resolved once), else None. `dense`: a
     DenseKV the PyTorch path attends over (None: the reference `paged_attention` over `store.read`)."""
 
-    def __init__(self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None,
-                 recent: Optional[RecentKV] = None):
+    def __init__(
+        self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None, recent: Optional[RecentKV] = None
+    ):
         if recent is not None and dense is None:
             raise ValueError("exact entries (RecentKV) are read by the DenseKV attention path")
         self.store, self.ps, self.recent = store, store.page_size, recent
@@ -215,8 +221,9 @@ class PagedKV:
 
     def block_tables(self, rids: list[str], device) -> torch.Tensor:
         width = max(1, max(len(self.tables[r]) for r in rids))
-        return torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in rids],
-                            dtype=torch.int32, device=device)
+        return torch.tensor(
+            [self.tables[r] + [0] * (width - len(self.tables[r])) for r in rids], dtype=torch.int32, device=device
+        )
 
     @contextlib.contextmanager
     def batched_writes(self, own_exact: bool):
@@ -253,9 +260,16 @@ class PagedKV:
         else:
             self.dense.write_layers(*dense_at, *self.store.write_read_layers(slots, k, v, positions))
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-              positions: Optional[torch.Tensor] = None, written: bool = False) -> None:
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        positions: Optional[torch.Tensor] = None,
+        written: bool = False,
+    ) -> None:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
         view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N]).
         Inside `batched_writes` the store's part waits for the end of the forward. written: inside it, the caller
@@ -272,9 +286,16 @@ class PagedKV:
         assert not written, "written=True outside batched_writes"
         self._write_now(layer, slots, k, v, dense_at, positions)
 
-    def _write_now(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   dense_at: Optional[tuple[torch.Tensor, torch.Tensor]], positions: Optional[torch.Tensor],
-                   recent: bool = True) -> None:
+    def _write_now(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dense_at: Optional[tuple[torch.Tensor, torch.Tensor]],
+        positions: Optional[torch.Tensor],
+        recent: bool = True,
+    ) -> None:
         if self.dense is None:
             write_kv(self.store, layer, slots, k, v, self.kern, positions)
         elif self.dense.plain:
@@ -308,6 +329,7 @@ class AttnBatch:
     tree_mask[b, i] is set; tree_mask None means causal with the new tokens being the whole tree region.
     Rows i >= q_lens[b] are padding.
     """
+
     block_tables: torch.Tensor  # [B, P] int32 page ids
     context_lens: torch.Tensor  # [B] int64
     tree_lens: torch.Tensor  # [B] int64
@@ -335,8 +357,11 @@ class AttnBatch:
         N = slots.shape[1]
         k, v = store.read(layer, slots.reshape(-1))
         KV = k.shape[1]
-        return (k.to(q.dtype).view(B, N, KV, D).transpose(1, 2), v.to(q.dtype).view(B, N, KV, D).transpose(1, 2),
-                visible)
+        return (
+            k.to(q.dtype).view(B, N, KV, D).transpose(1, 2),
+            v.to(q.dtype).view(B, N, KV, D).transpose(1, 2),
+            visible,
+        )
 
     def visible(self, T: int, N: int) -> torch.Tensor:
         """[B, T, N] bool: query i of sequence b sees logical entry n."""
@@ -377,6 +402,7 @@ def kernels_for(store: KVStore, device: torch.device):
             _warn_once("the Triton kernels do not read INT6, INT3 or KLT units; using the PyTorch path")
             return None
         from bpcompile.kernels import paged as kernels
+
         if _kernels_take(store.head_size, store.G):
             return kernels
     return None
@@ -394,13 +420,22 @@ def _kernels_take(head_size: int, group_size: int) -> bool:
 
     why = check_shape(head_size, group_size)
     if why is not None:
-        print(f"bpcompile: warning: Triton kernels cannot take this KV cache ({why}); using the PyTorch path",
-              file=sys.stderr)
+        print(
+            f"bpcompile: warning: Triton kernels cannot take this KV cache ({why}); using the PyTorch path",
+            file=sys.stderr,
+        )
     return why is None
 
 
-def write_kv(store: KVStore, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern=False,
-             positions: Optional[torch.Tensor] = None) -> None:
+def write_kv(
+    store: KVStore,
+    layer: int,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kern=False,
+    positions: Optional[torch.Tensor] = None,
+) -> None:
     """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel (kern: the
     kernels module or None as resolved by kernels_for; False: resolve here). positions [N]: the tokens' RoPE
     positions, which a plan with KLT key units needs (the kernels do not read such plans)."""
@@ -427,8 +462,17 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
     H, D = q.shape[2:]
     kern = kernels_for(store, q.device) if kern is False else kern  # False: resolve here
     if kern is not None:
-        return kern.paged_attention(q, store, layer, batch.block_tables, batch.context_lens, batch.tree_mask,
-                                    batch.tree_lens, D ** -0.5, q_lens=batch.q_lens)
+        return kern.paged_attention(
+            q,
+            store,
+            layer,
+            batch.block_tables,
+            batch.context_lens,
+            batch.tree_mask,
+            batch.tree_lens,
+            D**-0.5,
+            q_lens=batch.q_lens,
+        )
     k, v, visible = batch.gather(store, layer, q)
     kv = k.shape[1]
     if H != kv and not _HAS_GQA:
@@ -438,8 +482,14 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
     return out.transpose(1, 2)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Optional[torch.Tensor],
-                    scale: Optional[float] = None, exact: Optional[tuple] = None) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hidden: Optional[torch.Tensor],
+    scale: Optional[float] = None,
+    exact: Optional[tuple] = None,
+) -> torch.Tensor:
     """q [B, T, H, D] over k, v [B, KV, N, D] (GQA: query head h reads KV head h // (H/KV)) -> [B, T, H, D].
 
     hidden: [B, 1, T * H/KV, N] bool, True where a query must not see a key (rows t * H/KV + r), or None when
@@ -450,7 +500,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: O
     B, T, H, D = q.shape
     KV = k.shape[1]
     rep = H // KV
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     qh = (q * scale).view(B, T, KV, rep, D).transpose(1, 2).reshape(B, KV, T * rep, D)
     s = qh @ k.transpose(-1, -2)
     if hidden is not None:
@@ -469,8 +519,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: O
     return o.view(B, KV, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
 
 
-def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahead: int = 6,
-                          page_size: int = 16, sequences: int = 1) -> float:
+def allocated_compression(
+    plan: KVPlan, model_cfg, seq_len: int = 2048, lookahead: int = 6, page_size: int = 16, sequences: int = 1
+) -> float:
     """FP16 cache bytes / this plan's, both as the runtime allocates them for `sequences` sequences of seq_len
     tokens with lookahead tree entries (its pages and the null page; nbytes(): payload, scales, tables and exact
     copies). The runtime allocates one pool for an engine's max_batch_size sequences; per-engine tables (the KLT
@@ -480,8 +531,10 @@ def allocated_compression(plan: KVPlan, model_cfg, seq_len: int = 2048, lookahea
     # engine's pool can be tens of GB).
     c = model_cfg
     pages = cache_pages(sequences, seq_len, lookahead, page_size)
-    f1, f2 = (FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, n, page_size, dtype=torch.float16).nbytes()
-              for n in (1, 2))
+    f1, f2 = (
+        FloatKVStore(c.num_layers, c.num_kv_heads, c.head_size, n, page_size, dtype=torch.float16).nbytes()
+        for n in (1, 2)
+    )
     s1, s2 = (make_kv_store(plan, c, n, page_size) for n in (1, 2))
     ours = s1.nbytes() + (s2.nbytes() - s1.nbytes()) * (pages - 1)
     if plan.has_exact:

@@ -1,5 +1,5 @@
 """The custom ops of the exported step graphs: their names, attributes and input order (the contract shared by
-the ONNX export, the TensorRT plugins in bpcompile/plugins/trt and the ONNX Runtime executor), and their
+the ONNX export, the TensorRT plugins in plugins/trt and the ONNX Runtime executor), and their
 PyTorch reference implementations.
 
 A graph's attention is two nodes per layer:
@@ -14,6 +14,7 @@ TensorRT plugins' creator names, and their attributes are the creators' fields (
 `BpFloatKVAppend` / `BpFloatPagedTreeAttention` take an unquantized cache (`kv_cache.format: fp16`, and the
 draft's cache); they have no TensorRT plugin yet.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,8 +62,12 @@ def tables_of(store) -> dict[str, torch.Tensor]:
     """The static per-engine inputs of the quantized ops (empty for a float cache): what the kernels read."""
     if not is_quantized(store):
         return {}
-    return {"unit_precision": store.unit_precision, "unit_index": store.unit_index,
-            "k_channel_scale": store.kernel_k_channel_scale, "int4_clip": store.int4_clip}
+    return {
+        "unit_precision": store.unit_precision,
+        "unit_index": store.unit_index,
+        "k_channel_scale": store.kernel_k_channel_scale,
+        "int4_clip": store.int4_clip,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- stores
@@ -70,19 +75,36 @@ def tables_of(store) -> dict[str, torch.Tensor]:
 _VIEWS: dict = {}
 
 
-def _quant_view(pools, unit_precision, k_channel_scale, int4_clip, group_size: int, page_size: int,
-                dtype: torch.dtype) -> QuantKVStore:
+def _quant_view(
+    pools, unit_precision, k_channel_scale, int4_clip, group_size: int, page_size: int, dtype: torch.dtype
+) -> QuantKVStore:
     """A QuantKVStore over the given pools, in the kernels' basis (no centering or rotation; the channel scale
     the kernels multiply by). The static part is built once per set of tables."""
-    key = (unit_precision.numpy().tobytes(), k_channel_scale.numpy().tobytes(), int4_clip.numpy().tobytes(),
-           group_size, page_size, dtype)
+    key = (
+        unit_precision.numpy().tobytes(),
+        k_channel_scale.numpy().tobytes(),
+        int4_clip.numpy().tobytes(),
+        group_size,
+        page_size,
+        dtype,
+    )
     store = _VIEWS.get(key)
     if store is None:
         L, _, KV = unit_precision.shape
-        table = [{t: [BY_CODE[int(c)].name for c in unit_precision[layer, i]] for i, t in enumerate(("k", "v"))}
-                 for layer in range(L)]
-        plan = KVPlan("int4-fp8-outlier", L, KV, k_channel_scale.shape[-1], group_size, table,
-                      k_channel_scale=k_channel_scale.clone(), int4_clip=int4_clip.clone())
+        table = [
+            {t: [BY_CODE[int(c)].name for c in unit_precision[layer, i]] for i, t in enumerate(("k", "v"))}
+            for layer in range(L)
+        ]
+        plan = KVPlan(
+            "int4-fp8-outlier",
+            L,
+            KV,
+            k_channel_scale.shape[-1],
+            group_size,
+            table,
+            k_channel_scale=k_channel_scale.clone(),
+            int4_clip=int4_clip.clone(),
+        )
         store = _VIEWS[key] = QuantKVStore(plan, 0, page_size, dtype=dtype)
     store.num_pages = pools[0].shape[0]
     for i, prec in enumerate(KERNEL_PRECISIONS):
@@ -99,10 +121,10 @@ def _float_view(k_pool: torch.Tensor, v_pool: torch.Tensor, page_size: int) -> F
 
 # ------------------------------------------------------------------------------- reference implementations
 
+
 def _attend(store, q, layer, block_tables, context_lens, tree_lens, q_lens, tree_mask, sm_scale) -> torch.Tensor:
     """q [B, T, H, D] over the store's entries per AttnBatch's rules (the torch executor's dense path math)."""
-    batch = AttnBatch(block_tables, context_lens.long(), tree_lens.long(), q_lens.long(), tree_mask,
-                      store.page_size)
+    batch = AttnBatch(block_tables, context_lens.long(), tree_lens.long(), q_lens.long(), tree_mask, store.page_size)
     k, v, visible = batch.gather(store, layer, q)
     hidden = ~visible.repeat_interleave(q.shape[2] // k.shape[1], dim=1)[:, None]
     return dense_attention(q, k, v, hidden, scale=sm_scale)
@@ -118,13 +140,26 @@ def quant_append(k, v, slots, *inputs, layer: int, page_size: int, group_size: i
     return pools
 
 
-def quant_attention(q, block_tables, context_lens, tree_lens, q_lens, tree_mask, *inputs, layer: int,
-                    page_size: int, group_size: int, sm_scale: float, **_) -> torch.Tensor:
+def quant_attention(
+    q,
+    block_tables,
+    context_lens,
+    tree_lens,
+    q_lens,
+    tree_mask,
+    *inputs,
+    layer: int,
+    page_size: int,
+    group_size: int,
+    sm_scale: float,
+    **_,
+) -> torch.Tensor:
     """BpPagedTreeAttention: q [B, T, H, D] (in the kernels' basis) over the pools -> [B, T, H, D]."""
     n = len(QUANT_POOLS)
     unit_precision, _, kcs = inputs[n:]
-    store = _quant_view(list(inputs[:n]), unit_precision, kcs, torch.ones(unit_precision.shape), group_size,
-                        page_size, q.dtype)
+    store = _quant_view(
+        list(inputs[:n]), unit_precision, kcs, torch.ones(unit_precision.shape), group_size, page_size, q.dtype
+    )
     return _attend(store, q, layer, block_tables, context_lens, tree_lens, q_lens, tree_mask, sm_scale)
 
 
@@ -135,12 +170,38 @@ def float_append(k, v, slots, k_pool, v_pool, *, layer: int, page_size: int, **_
     return pools
 
 
-def float_attention(q, block_tables, context_lens, tree_lens, q_lens, tree_mask, k_pool, v_pool, *, layer: int,
-                    page_size: int, sm_scale: float, **_) -> torch.Tensor:
+def float_attention(
+    q,
+    block_tables,
+    context_lens,
+    tree_lens,
+    q_lens,
+    tree_mask,
+    k_pool,
+    v_pool,
+    *,
+    layer: int,
+    page_size: int,
+    sm_scale: float,
+    **_,
+) -> torch.Tensor:
     """BpFloatPagedTreeAttention: q [B, T, H, D] over an unquantized paged cache -> [B, T, H, D]."""
-    return _attend(_float_view(k_pool, v_pool, page_size), q, layer, block_tables, context_lens, tree_lens,
-                   q_lens, tree_mask, sm_scale)
+    return _attend(
+        _float_view(k_pool, v_pool, page_size),
+        q,
+        layer,
+        block_tables,
+        context_lens,
+        tree_lens,
+        q_lens,
+        tree_mask,
+        sm_scale,
+    )
 
 
-REFERENCE = {QUANT_APPEND: quant_append, QUANT_ATTENTION: quant_attention, FLOAT_APPEND: float_append,
-             FLOAT_ATTENTION: float_attention}
+REFERENCE = {
+    QUANT_APPEND: quant_append,
+    QUANT_ATTENTION: quant_attention,
+    FLOAT_APPEND: float_append,
+    FLOAT_ATTENTION: float_attention,
+}

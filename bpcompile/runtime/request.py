@@ -1,5 +1,6 @@
 """A request as the runtime sees it: its sampling parameters, its state while it runs, what a step returns for
 it, and the stop conditions applied to newly committed tokens (output processing)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ def apply_stops(r: Request, toks: list[int]) -> StepOutput:
             break
         r.out.append(t)
         new.append(t)
-        if any(sw and r.out[-len(sw):] == list(sw) for sw in p.stop_words):
+        if any(sw and r.out[-len(sw) :] == list(sw) for sw in p.stop_words):
             reason = "stop"
             break
         if len(r.out) >= p.max_tokens:
@@ -94,15 +95,19 @@ def apply_stops(r: Request, toks: list[int]) -> StepOutput:
             break
     r.stats.tokens = len(r.out)
     # r.out is a prefix of the generated tokens, and r.logprobs follows the generated tokens
-    lps = r.logprobs[start:len(r.out)] if p.logprobs else None
-    gen = torch.stack(r.generation_logits[start:len(r.out)]) if p.generation_logits and new else None
+    lps = r.logprobs[start : len(r.out)] if p.logprobs else None
+    gen = torch.stack(r.generation_logits[start : len(r.out)]) if p.generation_logits and new else None
     ctx, r.context_logits = r.context_logits, None
     return StepOutput(r.id, new, reason is not None, reason, r.stats, lps, ctx, gen)
 
 
 def penalized(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or (
-        p.min_tokens > 0 and p.end_id is not None)
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or (p.min_tokens > 0 and p.end_id is not None)
+    )
 
 
 def apply_penalties(row: torch.Tensor, p: SamplingParams, seen: list[int], generated: int) -> torch.Tensor:

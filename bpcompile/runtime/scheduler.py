@@ -3,6 +3,7 @@
 FIFO into a running batch of at most max_batch_size requests. A request's worst-case KV pages (prompt +
 max_tokens + one tree) are reserved when it is admitted, so a running request never runs out of cache and
 nothing is ever preempted; a request that does not fit waits until others finish."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -32,8 +33,11 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests into the running batch while the batch and the cache have room."""
         new = []
-        while self.waiting and len(self.running) < self.max_batch_size \
-                and self.reserved + self.waiting[0].pages <= self.capacity:
+        while (
+            self.waiting
+            and len(self.running) < self.max_batch_size
+            and self.reserved + self.waiting[0].pages <= self.capacity
+        ):
             r = self.waiting.popleft()
             self.waiting_ids.discard(r.id)
             self.reserved += r.pages

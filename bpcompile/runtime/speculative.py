@@ -45,6 +45,7 @@ Verification
   sampling distribution (temperature, top-k, top-p applied) at that position: the output is
   distributed exactly as verifier-only sampling with the same parameters.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -107,10 +108,14 @@ def sort_choices(choices) -> list[tuple[int, ...]]:
         raise UserError("static tree needs choices, e.g. [[0], [1], [0, 0]]", key="speculative.choices")
     paths = set()
     for c in choices:
-        if (not isinstance(c, (list, tuple)) or not c
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in c)):
-            raise UserError(f"choice {c!r}: expected a non-empty list of non-negative top-k indices",
-                            key="speculative.choices")
+        if (
+            not isinstance(c, (list, tuple))
+            or not c
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in c)
+        ):
+            raise UserError(
+                f"choice {c!r}: expected a non-empty list of non-negative top-k indices", key="speculative.choices"
+            )
         paths.add(tuple(c))
     for p in paths:
         if len(p) > 1 and p[:-1] not in paths:
@@ -121,6 +126,7 @@ def sort_choices(choices) -> list[tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------------- masks
 
 # ------------------------------------------------------------------------------------------- sampling
+
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The sampling distribution (float64, on CPU) of one logits row: temperature, then top-k, then top-p."""
@@ -153,9 +159,11 @@ def uniform(rng: torch.Generator) -> float:
 
 # --------------------------------------------------------------------------------------------- trees
 
+
 @dataclass
 class Sampling:
     """How one request samples (temperature 0 = greedy) and its own random stream."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -172,6 +180,7 @@ class Sampling:
 @dataclass
 class DraftTree:
     """One step's token tree. Node 0 is the last committed token."""
+
     tokens: list[int]
     parents: list[int] = field(default_factory=lambda: [-1])
     depths: list[int] = field(default_factory=lambda: [0])
@@ -249,7 +258,7 @@ class ChainBuilder(_Builder):
         super().__init__(tree, s, min(max_depth, length), columns)
 
     def expand(self, logits):
-        (node, row), = logits.items()
+        ((node, row),) = logits.items()
         child = self.tree.add(node, self._candidates(node, row, 1)[0])
         return [child] if self.tree.depths[child] < self.max_depth else []
 
@@ -462,9 +471,14 @@ class BackOff:
             self.wait, self.probing = self.first_wait, False
 
 
-def make_builder(spec: TreeSpec, root_token: int, s: Sampling, max_depth: int,
-                 calib: Optional[AcceptanceCalibration] = None,
-                 columns: Optional[Columns] = None) -> tuple[DraftTree, Optional[_Builder]]:
+def make_builder(
+    spec: TreeSpec,
+    root_token: int,
+    s: Sampling,
+    max_depth: int,
+    calib: Optional[AcceptanceCalibration] = None,
+    columns: Optional[Columns] = None,
+) -> tuple[DraftTree, Optional[_Builder]]:
     """The tree for one step and its builder (None: no drafting this step, the tree is node 0 alone)."""
     tree = DraftTree([root_token])
     if spec.kind == "none" or max_depth < 1:
@@ -503,8 +517,9 @@ def verify_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
         path.append(child)
 
 
-def verify_sampling(tree: DraftTree, target: Callable[[int], torch.Tensor], rng: torch.Generator,
-                    rule: AcceptRule = residual_rule) -> tuple[list[int], int]:
+def verify_sampling(
+    tree: DraftTree, target: Callable[[int], torch.Tensor], rng: torch.Generator, rule: AcceptRule = residual_rule
+) -> tuple[list[int], int]:
     """target(i) = the verifier's sampling distribution after node i (float64, CPU)."""
     path = [0]
     while True:

@@ -17,6 +17,7 @@ at position i - 1. The verifier keeps its features of the accepted path in `Requ
 catch-up consumes them, and tree nodes read their parent row's predicted feature. The draft's K/V of accepted
 nodes came from predicted features, so none is kept: the catch-up reruns the accepted tokens on true ones.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,18 @@ import torch
 
 from bpcompile.runtime.executor import Executor, Moves
 from bpcompile.runtime.request import Request, apply_penalties, keep_logits, penalized
-from bpcompile.runtime.speculative import (AcceptanceCalibration, AcceptRule, BackOff, Columns, DraftTree,
-                                           TreeSpec, make_builder, residual_rule, verify_greedy, verify_sampling)
+from bpcompile.runtime.speculative import (
+    AcceptanceCalibration,
+    AcceptRule,
+    BackOff,
+    Columns,
+    DraftTree,
+    TreeSpec,
+    make_builder,
+    residual_rule,
+    verify_greedy,
+    verify_sampling,
+)
 
 
 class SpeculativeStep:
@@ -74,7 +85,7 @@ class SpeculativeStep:
         """Grow each request's tree with batched draft forwards (one per round)."""
         draft = self.draft
         # Catch up: the tokens the draft has not run (the last committed token, maybe the last accepted draft).
-        pend = [r.tokens[r.d_len:] for r in reqs]
+        pend = [r.tokens[r.d_len :] for r in reqs]
         for r, p in zip(reqs, pend):
             draft.kv.ensure(r.id, r.d_len + len(p) + draft.lookahead)
         feats = None
@@ -82,11 +93,16 @@ class SpeculativeStep:
             feats = pad_rows([r.feats for r in reqs], max(map(len, pend)))
             for r in reqs:
                 r.feats = None
-        logits = draft.forward(reqs, pend,
-                               [list(range(r.d_len, r.d_len + len(p))) for r, p in zip(reqs, pend)],
-                               [list(range(r.d_len, r.d_len + len(p))) for r, p in zip(reqs, pend)],
-                               [r.d_len for r in reqs], [len(p) for p in pend], feats=feats,
-                               logit_rows=[len(p) - 1 for p in pend] if self.features else None)
+        logits = draft.forward(
+            reqs,
+            pend,
+            [list(range(r.d_len, r.d_len + len(p))) for r, p in zip(reqs, pend)],
+            [list(range(r.d_len, r.d_len + len(p))) for r, p in zip(reqs, pend)],
+            [r.d_len for r in reqs],
+            [len(p) for p in pend],
+            feats=feats,
+            logit_rows=[len(p) - 1 for p in pend] if self.features else None,
+        )
         todo, fe = {}, {}  # fe[b][node]: the draft's predicted feature at that node (its children's input)
         for b, (r, p) in enumerate(zip(reqs, pend)):
             r.d_len += len(p)
@@ -101,14 +117,20 @@ class SpeculativeStep:
             nodes = [todo[b] for b in bs]
             feats = None
             if self.features:
-                feats = pad_rows([torch.stack([fe[b][trees[b].parents[n]] for n in ns]) for b, ns in zip(bs, nodes)],
-                                 max(map(len, nodes)))
+                feats = pad_rows(
+                    [torch.stack([fe[b][trees[b].parents[n]] for n in ns]) for b, ns in zip(bs, nodes)],
+                    max(map(len, nodes)),
+                )
             logits = draft.forward(
-                sub, [[trees[b].tokens[n] for n in ns] for b, ns in zip(bs, nodes)],
+                sub,
+                [[trees[b].tokens[n] for n in ns] for b, ns in zip(bs, nodes)],
                 [[r.d_len - 1 + trees[b].depths[n] for n in ns] for b, r, ns in zip(bs, sub, nodes)],
                 [[r.d_len + n - 1 for n in ns] for r, ns in zip(sub, nodes)],
-                [r.d_len for r in sub], [len(trees[b]) - 1 for b in bs],
-                [[trees[b].bits[n] >> 1 for n in ns] for b, ns in zip(bs, nodes)], feats=feats)
+                [r.d_len for r in sub],
+                [len(trees[b]) - 1 for b in bs],
+                [[trees[b].bits[n] >> 1 for n in ns] for b, ns in zip(bs, nodes)],
+                feats=feats,
+            )
             todo = {}
             for k, (b, ns) in enumerate(zip(bs, nodes)):
                 trees[b].forwarded.update(ns)
@@ -120,11 +142,15 @@ class SpeculativeStep:
         """Every tree through the verifier in one forward; per request the accepted path and the bonus token."""
         for r, tree in zip(reqs, trees):
             self.verifier.kv.ensure(r.id, r.v_len + len(tree))
-        logits = self.verifier.forward(reqs, [t.tokens for t in trees],
-                                       [[r.v_len + d for d in t.depths] for r, t in zip(reqs, trees)],
-                                       [list(range(r.v_len, r.v_len + len(t))) for r, t in zip(reqs, trees)],
-                                       [r.v_len for r in reqs], [len(t) for t in trees],
-                                       [t.bits for t in trees] if any(len(t) > 1 for t in trees) else None)
+        logits = self.verifier.forward(
+            reqs,
+            [t.tokens for t in trees],
+            [[r.v_len + d for d in t.depths] for r, t in zip(reqs, trees)],
+            [list(range(r.v_len, r.v_len + len(t))) for r, t in zip(reqs, trees)],
+            [r.v_len for r in reqs],
+            [len(t) for t in trees],
+            [t.bits for t in trees] if any(len(t) > 1 for t in trees) else None,
+        )
         for b, (r, tree) in enumerate(zip(reqs, trees)):
             if penalized(r.params):  # each node's row sees the sequence up to that node: committed + its path
                 done = r.tokens
@@ -133,8 +159,9 @@ class SpeculativeStep:
                     while n:
                         path.append(tree.tokens[n])
                         n = tree.parents[n]
-                    logits[b, i] = apply_penalties(logits[b, i], r.params, done + path[::-1],
-                                                   len(done) - len(r.prompt) + len(path))
+                    logits[b, i] = apply_penalties(
+                        logits[b, i], r.params, done + path[::-1], len(done) - len(r.prompt) + len(path)
+                    )
         argmax = logits.argmax(-1).tolist() if any(r.sampling.greedy for r in reqs) else None
         results = []
         for b, (r, tree) in enumerate(zip(reqs, trees)):
@@ -143,8 +170,11 @@ class SpeculativeStep:
                 if tree.conf and self.calib is not None:
                     self.calib.update(tree, results[-1][0])
             else:
-                results.append(verify_sampling(tree, lambda i, b=b, r=r: r.sampling.probs(logits[b, i]),
-                                               r.sampling.rng, self.accept_rule))
+                results.append(
+                    verify_sampling(
+                        tree, lambda i, b=b, r=r: r.sampling.probs(logits[b, i]), r.sampling.rng, self.accept_rule
+                    )
+                )
             if self.features:  # the features of the accepted path: the draft's inputs for the tokens they predicted
                 new = self.verifier.hidden[b, results[-1][0]]
                 r.feats = new if r.feats is None else torch.cat((r.feats, new))
@@ -198,5 +228,5 @@ def pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     """Per-request feature rows [n_b, hidden] -> [B, T, hidden], zero-padded past each n_b."""
     out = rows[0].new_zeros(len(rows), T, rows[0].shape[-1])
     for b, x in enumerate(rows):
-        out[b, :len(x)] = x
+        out[b, : len(x)] = x
     return out

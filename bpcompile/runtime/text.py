@@ -1,4 +1,5 @@
 """Prompts as text: a user turn through the engine tokenizer's chat template."""
+
 from __future__ import annotations
 
 from pathlib import Path

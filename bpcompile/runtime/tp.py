@@ -12,6 +12,7 @@ The process group is built from a TCPStore on a free loopback port rather than t
 one process can hold several tensor-parallel engines (tests compare tp 1 and tp 2 side by side). A worker
 exits when rank 0 sends "stop" or when its stdin (a pipe from rank 0) closes: a dead rank 0 leaves no orphans.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,11 @@ def connect(port: int, rank: int, world: int):
 def broadcast_bytes(group, data: Optional[bytes]) -> bytes:
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     group.broadcast(n, 0).wait()
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else \
-        torch.empty(int(n), dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data is not None
+        else torch.empty(int(n), dtype=torch.uint8)
+    )
     group.broadcast(buf, 0).wait()
     return data if data is not None else buf.numpy().tobytes()
 
@@ -72,8 +76,9 @@ class Peers:
             raise RuntimeError("the tensor-parallel workers were stopped")
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker process(es) {dead} exited (see their error output); "
-                               "restart the engine")
+            raise RuntimeError(
+                f"tensor-parallel worker process(es) {dead} exited (see their error output); restart the engine"
+            )
         broadcast_bytes(self.group, pickle.dumps((role, name, args)))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -102,10 +107,14 @@ def launch(engine_dir: Path, tp: int, spec: dict) -> tuple[object, list[subproce
     threads = max(1, (os.cpu_count() or 1) // tp)
     procs = []
     for rank in range(1, tp):
-        arg = json.dumps({"engine": str(engine_dir), "rank": rank, "tp": tp, "port": port, "threads": threads,
-                          "spec": spec})
-        procs.append(subprocess.Popen([_python(), "-m", "bpcompile.runtime.tp_worker", arg], stdin=subprocess.PIPE,
-                                      env=os.environ.copy()))
+        arg = json.dumps(
+            {"engine": str(engine_dir), "rank": rank, "tp": tp, "port": port, "threads": threads, "spec": spec}
+        )
+        procs.append(
+            subprocess.Popen(
+                [_python(), "-m", "bpcompile.runtime.tp_worker", arg], stdin=subprocess.PIPE, env=os.environ.copy()
+            )
+        )
     box: dict = {}
 
     def join():
@@ -122,8 +131,11 @@ def launch(engine_dir: Path, tp: int, spec: dict) -> tuple[object, list[subproce
         if failed:
             for p in procs:
                 p.kill()
-            raise UserError(f"tensor-parallel worker (pid {failed[0].pid}) exited with code {failed[0].returncode} "
-                            "before joining; its error is above", key="tp")
+            raise UserError(
+                f"tensor-parallel worker (pid {failed[0].pid}) exited with code {failed[0].returncode} "
+                "before joining; its error is above",
+                key="tp",
+            )
     if "error" in box:
         for p in procs:
             p.kill()

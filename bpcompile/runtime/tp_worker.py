@@ -1,6 +1,7 @@
 """A tensor-parallel worker rank (ranks 1..tp-1): `python -m bpcompile.runtime.tp_worker ARGS_JSON`, started by
 bpcompile.runtime.tp.launch. It loads its shard of the engine and runs the executor calls rank 0 broadcasts until
 told to stop or until rank 0 goes away."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,14 @@ from bpcompile.runtime.tp import broadcast_bytes, connect
 
 def _watch_parent() -> None:
     """Exit when rank 0 goes away (its end of our stdin closes)."""
+
     def run():
         try:
             while sys.stdin.buffer.read(1):
                 pass
         finally:
             os._exit(0)
+
     threading.Thread(target=run, daemon=True).start()
 
 

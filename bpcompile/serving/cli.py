@@ -1,6 +1,7 @@
 """Click commands for the serving side: `bpcompile emit`, `bpcompile serve`, `bpcompile bench --url`.
 (`bpcompile generate --url` lives with `generate` in bpcompile/commands.py and calls client.generate_remote_cli.)
 Thin: each parses options and calls one library function."""
+
 from __future__ import annotations
 
 import json
@@ -40,24 +41,40 @@ def _version_of(engine_dir: Path) -> int:
 
 @click.command()
 @click.argument("engines", nargs=-1)
-@click.option("--repo", default="triton_repo", show_default=True, type=click.Path(path_type=Path),
-              help="Model repository to write.")
-@click.option("--add", is_flag=True, help="Add the ENGINES' versions to an existing repository (nothing served changes).")
-@click.option("--policy", default=None, help="Version policy: latest | all | latest:N | specific:1,2 (default: the "
-              "recipe's). With no ENGINES, rewrite the policy of an existing repository (rollback), then reload.")
+@click.option(
+    "--repo",
+    default="triton_repo",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="Model repository to write.",
+)
+@click.option(
+    "--add", is_flag=True, help="Add the ENGINES' versions to an existing repository (nothing served changes)."
+)
+@click.option(
+    "--policy",
+    default=None,
+    help="Version policy: latest | all | latest:N | specific:1,2 (default: the "
+    "recipe's). With no ENGINES, rewrite the policy of an existing repository (rollback), then reload.",
+)
 @click.option("--target", type=click.Choice(["native", "tensorrt-llm"]), default=None, help="Default: the recipe's.")
 @click.option("--max-batch-size", type=click.IntRange(1), default=None, help="Default: the recipe's limits.")
 @click.option("--no-speculation", is_flag=True, help="Serve verifier-only decoding (benchmark baseline).")
 @click.option("--device", default="cpu", show_default=True, help="Device of the generator's runtime (cpu, cuda).")
 @click.option("--link", is_flag=True, help="Symlink engine versions instead of copying them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing repository.")
-@click.option("--bls-from", type=click.Path(path_type=Path), default=None,
-              help="Target tensorrt-llm with a draft: tensorrtllm_backend's all_models/inflight_batcher_llm/"
-                   "tensorrt_llm_bls/1 directory to copy the BLS model from (default: $BPCOMPILE_TRTLLM_BLS_DIR, "
-                   "else where TensorRT-LLM's Triton containers keep it).")
+@click.option(
+    "--bls-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Target tensorrt-llm with a draft: tensorrtllm_backend's all_models/inflight_batcher_llm/"
+    "tensorrt_llm_bls/1 directory to copy the BLS model from (default: $BPCOMPILE_TRTLLM_BLS_DIR, "
+    "else where TensorRT-LLM's Triton containers keep it).",
+)
 @click.option("--json", "as_json", is_flag=True)
-def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, device, link, overwrite, bls_from,
-         as_json):
+def emit(
+    engines, repo, add, policy, target, max_batch_size, no_speculation, device, link, overwrite, bls_from, as_json
+):
     """Write a Triton model repository serving ENGINES (version directories, or NAME/N of ./engines)."""
     from bpcompile.core.store import engine_version_dir
     from bpcompile.serving.emit import add_version, emit_repository, set_version_policy
@@ -73,9 +90,18 @@ def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, dev
         if add:
             out = {"added": [add_version(repo, v, d, link=link, bls_source=bls_from) for v, d in pairs]}
         else:
-            out = emit_repository(pairs, repo, target=target, version_policy=pol, max_batch_size=max_batch_size,
-                                  device=device, tree={"kind": "none"} if no_speculation else None, link=link,
-                                  overwrite=overwrite, bls_source=bls_from)
+            out = emit_repository(
+                pairs,
+                repo,
+                target=target,
+                version_policy=pol,
+                max_batch_size=max_batch_size,
+                device=device,
+                tree={"kind": "none"} if no_speculation else None,
+                link=link,
+                overwrite=overwrite,
+                bls_source=bls_from,
+            )
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))
     else:
@@ -88,27 +114,55 @@ def emit(engines, repo, add, policy, target, max_batch_size, no_speculation, dev
 @click.option("--grpc-port", default=8001, show_default=True, type=int)
 @click.option("--metrics-port", default=8002, show_default=True, type=int)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
-@click.option("--model-control", type=click.Choice(["none", "explicit", "poll"]), default="none", show_default=True,
-              help="none: serve what REPO holds at start. explicit: the repository API loads and unloads models "
-              "(new versions without a restart), for requests with the repository token only. poll: reload when "
-              "REPO changes (whoever can write REPO runs code in the server).")
-@click.option("--repository-token", envvar="BPCOMPILE_REPOSITORY_TOKEN", show_envvar=True, default=None,
-              help="Token the repository API asks for with --model-control explicit/poll (default: a random one, "
-              "printed). Prefer the environment variable: a command line is visible to other local users.")
-@click.option("--drain-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
-              help="On SIGTERM/SIGINT, seconds for running streams to finish before tritonserver is stopped.")
-@click.option("--openai-port", type=click.IntRange(1, 65535), default=None,
-              help="Also serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on this "
-                   "port, in front of tritonserver.")
+@click.option(
+    "--model-control",
+    type=click.Choice(["none", "explicit", "poll"]),
+    default="none",
+    show_default=True,
+    help="none: serve what REPO holds at start. explicit: the repository API loads and unloads models "
+    "(new versions without a restart), for requests with the repository token only. poll: reload when "
+    "REPO changes (whoever can write REPO runs code in the server).",
+)
+@click.option(
+    "--repository-token",
+    envvar="BPCOMPILE_REPOSITORY_TOKEN",
+    show_envvar=True,
+    default=None,
+    help="Token the repository API asks for with --model-control explicit/poll (default: a random one, "
+    "printed). Prefer the environment variable: a command line is visible to other local users.",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT, seconds for running streams to finish before tritonserver is stopped.",
+)
+@click.option(
+    "--openai-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Also serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on this "
+    "port, in front of tritonserver.",
+)
 def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout, openai_port):
     """Serve REPO with tritonserver until SIGINT / SIGTERM.
 
     Exit code 0 after a requested, clean stop; 1 when tritonserver died or did not stop cleanly."""
     from bpcompile.serving.serve import serve as _serve
 
-    code = _serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
-                  model_control=model_control, repository_token=repository_token, drain_timeout=drain_timeout,
-                  log=lambda s: click.echo(s, err=True), openai_port=openai_port)
+    code = _serve(
+        repo,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        host=host,
+        model_control=model_control,
+        repository_token=repository_token,
+        drain_timeout=drain_timeout,
+        log=lambda s: click.echo(s, err=True),
+        openai_port=openai_port,
+    )
     sys.exit(code)
 
 
@@ -123,18 +177,44 @@ def _levels(ctx, param, value) -> list[int]:
 
 
 @click.command()
-@click.option("--url", required=True, help="host:port of the server's gRPC (--protocol http: HTTP) endpoint, or the "
-              "base URL of an OpenAI-compatible API (--protocol openai: http://host:port/v1).")
-@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Text file, one prompt per line (default: a few built-in prompts).")
-@click.option("-n", "--requests", "n", type=click.IntRange(1), default=32, show_default=True,
-              help="Requests per concurrency level.")
-@click.option("--concurrency", "-c", default="1", show_default=True, callback=_levels,
-              help="Clients in flight; a list (1,2,4,8) runs one level after another.")
+@click.option(
+    "--url",
+    required=True,
+    help="host:port of the server's gRPC (--protocol http: HTTP) endpoint, or the "
+    "base URL of an OpenAI-compatible API (--protocol openai: http://host:port/v1).",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Text file, one prompt per line (default: a few built-in prompts).",
+)
+@click.option(
+    "-n",
+    "--requests",
+    "n",
+    type=click.IntRange(1),
+    default=32,
+    show_default=True,
+    help="Requests per concurrency level.",
+)
+@click.option(
+    "--concurrency",
+    "-c",
+    default="1",
+    show_default=True,
+    callback=_levels,
+    help="Clients in flight; a list (1,2,4,8) runs one level after another.",
+)
 @click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--protocol", type=click.Choice(["grpc", "http", "openai"]), default="grpc", show_default=True)
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Draw TTFT, time per output token and throughput against concurrency into this PNG.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw TTFT, time per output token and throughput against concurrency into this PNG.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json):
     """Load a running server: TTFT, time per output token, latency percentiles, tokens/s, tokens per step."""
@@ -159,10 +239,13 @@ def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json
 
 def _show(r: dict, max_tokens: int) -> None:
     ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
-    click.echo(f"{r['requests']} requests ({r['errors']} errors), concurrency {r['concurrency']}, "
-               f"{max_tokens} max tokens")
-    click.echo(f"output tokens/s {r['output_tokens_per_s'] or 0:.1f}   tokens/verifier step "
-               f"{r['tokens_per_step'] or 0:.2f}   acceptance {r['acceptance_rate'] or 0:.2f}")
+    click.echo(
+        f"{r['requests']} requests ({r['errors']} errors), concurrency {r['concurrency']}, {max_tokens} max tokens"
+    )
+    click.echo(
+        f"output tokens/s {r['output_tokens_per_s'] or 0:.1f}   tokens/verifier step "
+        f"{r['tokens_per_step'] or 0:.2f}   acceptance {r['acceptance_rate'] or 0:.2f}"
+    )
     for k in ("ttft_s", "tpot_s", "latency_s"):
         s = r[k]
         click.echo(f"{k[:-2]:8s} ms  p50 {ms(s['p50'])}  p90 {ms(s['p90'])}  p99 {ms(s['p99'])}")

@@ -12,6 +12,7 @@ the same outputs. Prefer it for streams that may be abandoned: cancelling (or lo
 the generation there within one step, while through the ensemble tritonserver 2.51 lets it run to max_tokens
 (see bpcompile/serving/models/generator.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,17 @@ def _request_fields(prompt, max_tokens, stream, temperature, top_k, top_p, seed,
     return d
 
 
-_DTYPES = {"text_input": ("BYTES", object), "max_tokens": ("INT32", np.int32), "stream": ("BOOL", np.bool_),
-           "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
-           "seed": ("UINT64", np.uint64), "end_id": ("INT32", np.int32), "stop_words": ("BYTES", object)}
+_DTYPES = {
+    "text_input": ("BYTES", object),
+    "max_tokens": ("INT32", np.int32),
+    "stream": ("BOOL", np.bool_),
+    "temperature": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32),
+    "top_p": ("FP32", np.float32),
+    "seed": ("UINT64", np.uint64),
+    "end_id": ("INT32", np.int32),
+    "stop_words": ("BYTES", object),
+}
 
 
 def _grpc_inputs(fields: dict):
@@ -74,8 +83,15 @@ def _grpc_inputs(fields: dict):
 class _Collector:
     """Accumulates one request's responses: text in response order, timings, the last statistics."""
 
-    STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "tokens_per_step",
-             "verifier_steps", "engine_version", "finish_reason")
+    STATS = (
+        "acceptance_rate",
+        "total_accepted_draft_tokens",
+        "total_draft_tokens",
+        "tokens_per_step",
+        "verifier_steps",
+        "engine_version",
+        "finish_reason",
+    )
 
     def __init__(self, on_text: Optional[Callable[[str], None]] = None):
         self.t0 = time.perf_counter()
@@ -112,10 +128,18 @@ class _Collector:
         e2e = time.perf_counter() - self.t0
         ttft = self.arrivals[0][0] if self.arrivals else None
         gaps = [b[0] - a[0] for a, b in zip(self.arrivals, self.arrivals[1:])]
-        return {"text": "".join(self.parts[i][0] for i in order), "token_ids": ids, "tokens": n,
-                "responses": len(order), "out_of_order": self.out_of_order, "ttft_s": ttft, "latency_s": e2e,
-                "tpot_s": self._tpot(n),
-                "response_gaps_s": gaps, **self.stats}
+        return {
+            "text": "".join(self.parts[i][0] for i in order),
+            "token_ids": ids,
+            "tokens": n,
+            "responses": len(order),
+            "out_of_order": self.out_of_order,
+            "ttft_s": ttft,
+            "latency_s": e2e,
+            "tpot_s": self._tpot(n),
+            "response_gaps_s": gaps,
+            **self.stats,
+        }
 
 
 def _np_scalar(v):
@@ -140,11 +164,13 @@ def _grpc_one(client, model: str, fields: dict, collector: _Collector, timeout: 
         try:
             result, error = q.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
-            raise TimeoutError(f"no final response within {timeout:.0f}s")
+            raise TimeoutError(f"no final response within {timeout:.0f}s") from None
         if error is not None:
             raise RemoteError(str(error.message() if hasattr(error, "message") else error))
         resp = result.get_response()
-        final = resp.parameters["triton_final_response"].bool_param if "triton_final_response" in resp.parameters else False
+        final = (
+            resp.parameters["triton_final_response"].bool_param if "triton_final_response" in resp.parameters else False
+        )
         names = {o.name for o in resp.outputs}
         if "text_output" in names:
             text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
@@ -168,16 +194,23 @@ def _grpc_client(url: str):
 def _http_one(url: str, model: str, fields: dict, collector: _Collector, timeout: float) -> dict:
     base = url if url.startswith("http") else f"http://{url}"
     path = "generate_stream" if fields.get("stream") else "generate"
-    req = urllib.request.Request(f"{base}/v2/models/{model}/{path}", data=json.dumps(fields).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}/v2/models/{model}/{path}",
+        data=json.dumps(fields).encode(),
+        headers={"Content-Type": "application/json"},
+    )
 
     def take(d: dict):
         if "error" in d:
             raise RemoteError(d["error"])
         ids = np.asarray(d.get("output_ids", []), dtype=np.int64).reshape(-1).tolist()  # a scalar when one token
         ids = ids if isinstance(ids, list) else [ids]
-        collector.add(d.get("response_index"), d.get("text_output", ""), [int(i) for i in ids],
-                      {k: d.get(k) for k in _Collector.STATS})
+        collector.add(
+            d.get("response_index"),
+            d.get("text_output", ""),
+            [int(i) for i in ids],
+            {k: d.get(k) for k in _Collector.STATS},
+        )
 
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -203,10 +236,17 @@ def _openai_one(url: str, model: str, fields: dict, collector: _Collector, timeo
     The API reports no token ids per chunk: each content chunk counts as one arrival, and the token total comes
     from the final usage (so time per output token spreads the stream's duration over every token after the
     first chunk)."""
-    body = {"model": model, "prompt": fields["text_input"], "max_tokens": fields["max_tokens"], "stream": True,
-            "temperature": fields.get("temperature", 0.0), "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url.rstrip("/") + "/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": fields["text_input"],
+        "max_tokens": fields["max_tokens"],
+        "stream": True,
+        "temperature": fields.get("temperature", 0.0),
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        url.rstrip("/") + "/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     usage = None
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -239,10 +279,23 @@ def openai_model(url: str, timeout: float = 30.0) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def generate_remote(url: str, prompt: str, max_tokens: int = 64, stream: bool = True, protocol: str = "grpc", *,
-                    model: str = "ensemble", temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    seed: Optional[int] = None, end_id: Optional[int] = None, stop_words: Optional[list[str]] = None,
-                    on_text: Optional[Callable[[str], None]] = None, timeout: float = 300.0) -> dict:
+def generate_remote(
+    url: str,
+    prompt: str,
+    max_tokens: int = 64,
+    stream: bool = True,
+    protocol: str = "grpc",
+    *,
+    model: str = "ensemble",
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    end_id: Optional[int] = None,
+    stop_words: Optional[list[str]] = None,
+    on_text: Optional[Callable[[str], None]] = None,
+    timeout: float = 300.0,
+) -> dict:
     """Generate from a served repository. url: 'host:port' of the gRPC (protocol='grpc') or HTTP endpoint.
 
     Returns {text, token_ids, tokens, responses, out_of_order, ttft_s, latency_s, tpot_s, acceptance_rate,
@@ -284,13 +337,28 @@ def _pct(xs: list, p: float):
 
 
 def _summary(xs: list) -> dict:
-    return {"p50": _pct(xs, 50), "p90": _pct(xs, 90), "p99": _pct(xs, 99),
-            "mean": statistics.fmean([x for x in xs if x is not None]) if any(x is not None for x in xs) else None}
+    return {
+        "p50": _pct(xs, 50),
+        "p90": _pct(xs, 90),
+        "p99": _pct(xs, 99),
+        "mean": statistics.fmean([x for x in xs if x is not None]) if any(x is not None for x in xs) else None,
+    }
 
 
-def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurrency: int = 1, max_tokens: int = 64,
-                 protocol: str = "grpc", *, model: str = "ensemble", stream: bool = True, warmup: int = 1,
-                 temperature: float = 0.0, timeout: float = 600.0) -> dict:
+def bench_remote(
+    url: str,
+    prompts: list[str],
+    n: Optional[int] = None,
+    concurrency: int = 1,
+    max_tokens: int = 64,
+    protocol: str = "grpc",
+    *,
+    model: str = "ensemble",
+    stream: bool = True,
+    warmup: int = 1,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+) -> dict:
     """Closed-loop load: `concurrency` clients, each sending its next request when the previous one finished,
     n requests in all (prompts reused round-robin). Latencies in seconds; JSON-ready."""
     if concurrency < 1 or not prompts:
@@ -299,8 +367,16 @@ def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurre
     if protocol == "openai" and model == "ensemble":
         model = openai_model(url)
     for i in range(warmup):  # first requests pay one-time costs (allocations, lazy imports)
-        generate_remote(url, prompts[i % len(prompts)], max_tokens=max_tokens, stream=stream, protocol=protocol,
-                        model=model, temperature=temperature, timeout=timeout)
+        generate_remote(
+            url,
+            prompts[i % len(prompts)],
+            max_tokens=max_tokens,
+            stream=stream,
+            protocol=protocol,
+            model=model,
+            temperature=temperature,
+            timeout=timeout,
+        )
     jobs: queue.Queue = queue.Queue()
     for i in range(n):
         jobs.put(prompts[i % len(prompts)])
@@ -317,8 +393,11 @@ def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurre
                 fields = _request_fields(p, max_tokens, stream, temperature, 0, 1.0, None, None, None)
                 try:
                     one = {"grpc": None, "http": _http_one, "openai": _openai_one}[protocol]
-                    r = (_grpc_one(c, model, fields, _Collector(), timeout) if c is not None
-                         else one(url, model, fields, _Collector(), timeout))
+                    r = (
+                        _grpc_one(c, model, fields, _Collector(), timeout)
+                        if c is not None
+                        else one(url, model, fields, _Collector(), timeout)
+                    )
                     with lock:
                         results.append(r)
                 except Exception as e:  # counted, not fatal: a benchmark reports failures
@@ -341,21 +420,31 @@ def bench_remote(url: str, prompts: list[str], n: Optional[int] = None, concurre
     committed = sum((r.get("tokens_per_step") or 0) * (r.get("verifier_steps") or 0) for r in results)
     acc = sum(r.get("total_accepted_draft_tokens") or 0 for r in results)
     drafted = sum(r.get("total_draft_tokens") or 0 for r in results)
-    return {"protocol": protocol, "stream": stream, "concurrency": concurrency, "requests": len(results),
-            "errors": len(errors), "error_samples": errors[:3], "max_tokens": max_tokens, "wall_s": wall,
-            "output_tokens": toks, "output_tokens_per_s": toks / wall if wall > 0 else None,
-            "requests_per_s": len(results) / wall if wall > 0 else None,
-            "ttft_s": _summary([r["ttft_s"] for r in results]),
-            "tpot_s": _summary([r["tpot_s"] for r in results]),
-            "inter_response_s": _summary([g for r in results for g in r["response_gaps_s"]]),
-            "latency_s": _summary([r["latency_s"] for r in results]),
-            # tokens committed per verifier step over all requests (the runtime's tau, step-weighted)
-            "tokens_per_step": committed / steps if steps else None,
-            "acceptance_rate": acc / drafted if drafted else None,
-            "out_of_order_responses": sum(r["out_of_order"] for r in results)}
+    return {
+        "protocol": protocol,
+        "stream": stream,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "max_tokens": max_tokens,
+        "wall_s": wall,
+        "output_tokens": toks,
+        "output_tokens_per_s": toks / wall if wall > 0 else None,
+        "requests_per_s": len(results) / wall if wall > 0 else None,
+        "ttft_s": _summary([r["ttft_s"] for r in results]),
+        "tpot_s": _summary([r["tpot_s"] for r in results]),
+        "inter_response_s": _summary([g for r in results for g in r["response_gaps_s"]]),
+        "latency_s": _summary([r["latency_s"] for r in results]),
+        # tokens committed per verifier step over all requests (the runtime's tau, step-weighted)
+        "tokens_per_step": committed / steps if steps else None,
+        "acceptance_rate": acc / drafted if drafted else None,
+        "out_of_order_responses": sum(r["out_of_order"] for r in results),
+    }
 
 
 # --- model control (explicit mode): plain HTTP, usable from any thread -----------------------------------
+
 
 def _post(url: str, path: str, body: Optional[dict] = None, timeout: float = 600.0, token: Optional[str] = None):
     """token: what `bpcompile serve` asks of the repository API (default: $BPCOMPILE_REPOSITORY_TOKEN)."""
@@ -384,34 +473,63 @@ def load_model(url: str, name: str, token: Optional[str] = None) -> None:
 
 
 def unload_model(url: str, name: str, unload_dependents: bool = False, token: Optional[str] = None) -> None:
-    _post(url, f"/v2/repository/models/{name}/unload",
-          {"parameters": {"unload_dependents": unload_dependents}} if unload_dependents else None, token=token)
+    _post(
+        url,
+        f"/v2/repository/models/{name}/unload",
+        {"parameters": {"unload_dependents": unload_dependents}} if unload_dependents else None,
+        token=token,
+    )
 
 
 def repository_index(url: str, token: Optional[str] = None) -> list[dict]:
     return _post(url, "/v2/repository/index", token=token) or []
 
 
-def load_version(url: str, models=("preprocessing", "postprocessing", "tensorrt_llm"), token: Optional[str] = None) -> None:
+def load_version(
+    url: str, models=("preprocessing", "postprocessing", "tensorrt_llm"), token: Optional[str] = None
+) -> None:
     """Make the server serve what the repository's version policy now names (after add_version or
     set_version_policy). The three versioned models are reloaded; the ensemble follows (steps use version -1)."""
     for m in models:
         load_model(url, m, token)
 
 
-DEFAULT_PROMPTS = ["The quick brown fox", "def main():", "Lists are mutable sequences", "import os",
-                   "class Foo:", "Error handling with try", "for i in range(10):", "The with statement"]
+DEFAULT_PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "Lists are mutable sequences",
+    "import os",
+    "class Foo:",
+    "Error handling with try",
+    "for i in range(10):",
+    "The with statement",
+]
 
 
-def generate_remote_cli(url: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0,
-                        seed: Optional[int] = None, protocol: str = "grpc", json_out: bool = False) -> dict:
+def generate_remote_cli(
+    url: str,
+    prompt: str,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: Optional[int] = None,
+    protocol: str = "grpc",
+    json_out: bool = False,
+) -> dict:
     """`bpcompile generate --url`: stream text to stdout as it arrives, statistics at the end (or --json)."""
     import sys
 
     on_text = None if json_out else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
     try:
-        r = generate_remote(url, prompt, max_tokens=max_tokens, stream=True, protocol=protocol,
-                            temperature=temperature, seed=seed, on_text=on_text)
+        r = generate_remote(
+            url,
+            prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            protocol=protocol,
+            temperature=temperature,
+            seed=seed,
+            on_text=on_text,
+        )
     except RemoteError as e:
         raise UserError(f"the server rejected the request: {e}") from None
     except Exception as e:  # connection refused and the like: the user's URL, most likely
@@ -423,7 +541,10 @@ def generate_remote_cli(url: str, prompt: str, max_tokens: int = 64, temperature
         print(json.dumps(r, indent=2))
     else:
         sys.stdout.write("\n")
-        print(f"[{r['tokens']} tokens, {r['latency_s']:.2f}s, first after {r['ttft_s'] or 0:.3f}s; "
-              f"tokens/step {r.get('tokens_per_step') or 0:.2f}, acceptance {r.get('acceptance_rate') or 0:.2f}; "
-              f"engine version {r.get('engine_version')}]", file=sys.stderr)
+        print(
+            f"[{r['tokens']} tokens, {r['latency_s']:.2f}s, first after {r['ttft_s'] or 0:.3f}s; "
+            f"tokens/step {r.get('tokens_per_step') or 0:.2f}, acceptance {r.get('acceptance_rate') or 0:.2f}; "
+            f"engine version {r.get('engine_version')}]",
+            file=sys.stderr,
+        )
     return r

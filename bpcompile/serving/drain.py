@@ -11,6 +11,7 @@ drain happens before tritonserver is signalled, while it still runs the ensemble
 3. serve waits until no registration of a live process is left (or its drain timeout passes), then sends
    tritonserver SIGTERM, which now has nothing in flight.
 """
+
 from __future__ import annotations
 
 import itertools

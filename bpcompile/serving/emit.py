@@ -39,6 +39,7 @@ Decisions:
   (`response_index` output) numbers them so a client can check, or reorder defensively.
 * Every config is a ModelConfig protobuf written with text_format: valid by construction, parsed back in tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,6 +62,7 @@ try:
     from tritonclient.grpc import model_config_pb2 as mc
 except ImportError as e:  # pragma: no cover - the [serve] extra
     from bpcompile.core.errors import MissingDependency
+
     raise MissingDependency("emitting a Triton repository needs tritonclient (pip install 'bpcompile[serve]')") from e
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -90,18 +92,31 @@ ENSEMBLE_INPUTS = [
 # ignores or refuses each per request (protocol.backend_options). tests/data/tensorrtllm_backend_ensemble.json is
 # the backend's own list, which the tests compare with what is emitted.
 BACKEND_INPUTS = [
-    ("exclude_input_in_output", T.TYPE_BOOL, [1]), ("beam_width", T.TYPE_INT32, [1]),
-    ("num_return_sequences", T.TYPE_INT32, [1]), ("pad_id", T.TYPE_INT32, [1]), ("min_tokens", T.TYPE_INT32, [1]),
-    ("length_penalty", T.TYPE_FP32, [1]), ("repetition_penalty", T.TYPE_FP32, [1]),
-    ("presence_penalty", T.TYPE_FP32, [1]), ("frequency_penalty", T.TYPE_FP32, [1]),
-    ("return_log_probs", T.TYPE_BOOL, [1]), ("return_context_logits", T.TYPE_BOOL, [1]),
-    ("return_generation_logits", T.TYPE_BOOL, [1]), ("return_perf_metrics", T.TYPE_BOOL, [1]),
-    ("return_num_input_tokens", T.TYPE_BOOL, [1]), ("return_num_output_tokens", T.TYPE_BOOL, [1]),
-    ("decoder_text_input", T.TYPE_STRING, [1]), ("prompt_embedding_table", T.TYPE_FP16, [-1, -1]),
-    ("prompt_table_extra_id", T.TYPE_UINT64, [1]), ("prompt_vocab_size", T.TYPE_INT32, [1]),
-    ("embedding_bias_words", T.TYPE_STRING, [-1]), ("embedding_bias_weights", T.TYPE_FP32, [-1]),
-    ("lora_task_id", T.TYPE_UINT64, [1]), ("lora_weights", T.TYPE_FP16, [-1, -1]),
-    ("lora_config", T.TYPE_INT32, [-1, 3]), ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
+    ("exclude_input_in_output", T.TYPE_BOOL, [1]),
+    ("beam_width", T.TYPE_INT32, [1]),
+    ("num_return_sequences", T.TYPE_INT32, [1]),
+    ("pad_id", T.TYPE_INT32, [1]),
+    ("min_tokens", T.TYPE_INT32, [1]),
+    ("length_penalty", T.TYPE_FP32, [1]),
+    ("repetition_penalty", T.TYPE_FP32, [1]),
+    ("presence_penalty", T.TYPE_FP32, [1]),
+    ("frequency_penalty", T.TYPE_FP32, [1]),
+    ("return_log_probs", T.TYPE_BOOL, [1]),
+    ("return_context_logits", T.TYPE_BOOL, [1]),
+    ("return_generation_logits", T.TYPE_BOOL, [1]),
+    ("return_perf_metrics", T.TYPE_BOOL, [1]),
+    ("return_num_input_tokens", T.TYPE_BOOL, [1]),
+    ("return_num_output_tokens", T.TYPE_BOOL, [1]),
+    ("decoder_text_input", T.TYPE_STRING, [1]),
+    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1]),
+    ("prompt_table_extra_id", T.TYPE_UINT64, [1]),
+    ("prompt_vocab_size", T.TYPE_INT32, [1]),
+    ("embedding_bias_words", T.TYPE_STRING, [-1]),
+    ("embedding_bias_weights", T.TYPE_FP32, [-1]),
+    ("lora_task_id", T.TYPE_UINT64, [1]),
+    ("lora_weights", T.TYPE_FP16, [-1, -1]),
+    ("lora_config", T.TYPE_INT32, [-1, 3]),
+    ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
     ("guided_decoding_guide", T.TYPE_STRING, [1]),
 ]
 # tensorrtllm_backend's `tensorrt_llm` model, inputs and outputs in its order (its inflight_batcher_llm
@@ -111,65 +126,120 @@ BACKEND_INPUTS = [
 # does the C++ backend's config for target tensorrt-llm. tests/data/tensorrtllm_backend_tensorrt_llm.json is the
 # backend's own list, compared with what is emitted.
 TRTLLM_MODEL_INPUTS = [
-    ("input_ids", T.TYPE_INT32, [-1]), ("encoder_input_features", T.TYPE_FP16, [-1, -1]),
-    ("encoder_output_lengths", T.TYPE_INT32, [1]), ("input_lengths", T.TYPE_INT32, [1]),
-    ("request_output_len", T.TYPE_INT32, [1]), ("num_return_sequences", T.TYPE_INT32, [1]),
-    ("draft_input_ids", T.TYPE_INT32, [-1]), ("decoder_input_ids", T.TYPE_INT32, [-1]),
-    ("decoder_input_lengths", T.TYPE_INT32, [1]), ("draft_logits", T.TYPE_FP32, [-1, -1]),
-    ("draft_acceptance_threshold", T.TYPE_FP32, [1]), ("end_id", T.TYPE_INT32, [1]), ("pad_id", T.TYPE_INT32, [1]),
-    ("stop_words_list", T.TYPE_INT32, [2, -1]), ("bad_words_list", T.TYPE_INT32, [2, -1]),
-    ("embedding_bias", T.TYPE_FP32, [-1]), ("beam_width", T.TYPE_INT32, [1]), ("temperature", T.TYPE_FP32, [1]),
-    ("runtime_top_k", T.TYPE_INT32, [1]), ("runtime_top_p", T.TYPE_FP32, [1]),
-    ("runtime_top_p_min", T.TYPE_FP32, [1]), ("runtime_top_p_decay", T.TYPE_FP32, [1]),
-    ("runtime_top_p_reset_ids", T.TYPE_INT32, [1]), ("len_penalty", T.TYPE_FP32, [1]),
-    ("early_stopping", T.TYPE_BOOL, [1]), ("repetition_penalty", T.TYPE_FP32, [1]),
-    ("min_tokens", T.TYPE_INT32, [1]), ("beam_search_diversity_rate", T.TYPE_FP32, [1]),
-    ("presence_penalty", T.TYPE_FP32, [1]), ("frequency_penalty", T.TYPE_FP32, [1]), ("seed", T.TYPE_UINT64, [1]),
-    ("return_log_probs", T.TYPE_BOOL, [1]), ("return_context_logits", T.TYPE_BOOL, [1]),
-    ("return_generation_logits", T.TYPE_BOOL, [1]), ("return_perf_metrics", T.TYPE_BOOL, [1]),
-    ("return_num_input_tokens", T.TYPE_BOOL, [1]), ("return_num_output_tokens", T.TYPE_BOOL, [1]),
-    ("exclude_input_in_output", T.TYPE_BOOL, [1]), ("stop", T.TYPE_BOOL, [1]), ("streaming", T.TYPE_BOOL, [1]),
-    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1]), ("prompt_table_extra_ids", T.TYPE_UINT64, [-1]),
-    ("prompt_vocab_size", T.TYPE_INT32, [1]), ("cross_attention_mask", T.TYPE_BOOL, [-1, -1]),
-    ("mrope_rotary_cos_sin", T.TYPE_FP32, [-1]), ("mrope_position_deltas", T.TYPE_INT64, [1]),
-    ("lora_task_id", T.TYPE_UINT64, [1]), ("lora_weights", T.TYPE_FP16, [-1, -1]),
-    ("lora_config", T.TYPE_INT32, [-1, 3]), ("context_phase_params", T.TYPE_UINT8, [-1]),
-    ("skip_cross_attn_blocks", T.TYPE_BOOL, [1]), ("retention_token_range_starts", T.TYPE_INT32, [-1]),
-    ("retention_token_range_ends", T.TYPE_INT32, [-1]), ("retention_token_range_priorities", T.TYPE_INT32, [-1]),
-    ("retention_token_range_durations_ms", T.TYPE_INT32, [-1]), ("retention_decode_priority", T.TYPE_INT32, [1]),
-    ("retention_decode_duration_ms", T.TYPE_INT32, [1]), ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
-    ("guided_decoding_guide", T.TYPE_STRING, [1]), ("lookahead_window_size", T.TYPE_INT32, [1]),
-    ("lookahead_ngram_size", T.TYPE_INT32, [1]), ("lookahead_verification_set_size", T.TYPE_INT32, [1]),
+    ("input_ids", T.TYPE_INT32, [-1]),
+    ("encoder_input_features", T.TYPE_FP16, [-1, -1]),
+    ("encoder_output_lengths", T.TYPE_INT32, [1]),
+    ("input_lengths", T.TYPE_INT32, [1]),
+    ("request_output_len", T.TYPE_INT32, [1]),
+    ("num_return_sequences", T.TYPE_INT32, [1]),
+    ("draft_input_ids", T.TYPE_INT32, [-1]),
+    ("decoder_input_ids", T.TYPE_INT32, [-1]),
+    ("decoder_input_lengths", T.TYPE_INT32, [1]),
+    ("draft_logits", T.TYPE_FP32, [-1, -1]),
+    ("draft_acceptance_threshold", T.TYPE_FP32, [1]),
+    ("end_id", T.TYPE_INT32, [1]),
+    ("pad_id", T.TYPE_INT32, [1]),
+    ("stop_words_list", T.TYPE_INT32, [2, -1]),
+    ("bad_words_list", T.TYPE_INT32, [2, -1]),
+    ("embedding_bias", T.TYPE_FP32, [-1]),
+    ("beam_width", T.TYPE_INT32, [1]),
+    ("temperature", T.TYPE_FP32, [1]),
+    ("runtime_top_k", T.TYPE_INT32, [1]),
+    ("runtime_top_p", T.TYPE_FP32, [1]),
+    ("runtime_top_p_min", T.TYPE_FP32, [1]),
+    ("runtime_top_p_decay", T.TYPE_FP32, [1]),
+    ("runtime_top_p_reset_ids", T.TYPE_INT32, [1]),
+    ("len_penalty", T.TYPE_FP32, [1]),
+    ("early_stopping", T.TYPE_BOOL, [1]),
+    ("repetition_penalty", T.TYPE_FP32, [1]),
+    ("min_tokens", T.TYPE_INT32, [1]),
+    ("beam_search_diversity_rate", T.TYPE_FP32, [1]),
+    ("presence_penalty", T.TYPE_FP32, [1]),
+    ("frequency_penalty", T.TYPE_FP32, [1]),
+    ("seed", T.TYPE_UINT64, [1]),
+    ("return_log_probs", T.TYPE_BOOL, [1]),
+    ("return_context_logits", T.TYPE_BOOL, [1]),
+    ("return_generation_logits", T.TYPE_BOOL, [1]),
+    ("return_perf_metrics", T.TYPE_BOOL, [1]),
+    ("return_num_input_tokens", T.TYPE_BOOL, [1]),
+    ("return_num_output_tokens", T.TYPE_BOOL, [1]),
+    ("exclude_input_in_output", T.TYPE_BOOL, [1]),
+    ("stop", T.TYPE_BOOL, [1]),
+    ("streaming", T.TYPE_BOOL, [1]),
+    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1]),
+    ("prompt_table_extra_ids", T.TYPE_UINT64, [-1]),
+    ("prompt_vocab_size", T.TYPE_INT32, [1]),
+    ("cross_attention_mask", T.TYPE_BOOL, [-1, -1]),
+    ("mrope_rotary_cos_sin", T.TYPE_FP32, [-1]),
+    ("mrope_position_deltas", T.TYPE_INT64, [1]),
+    ("lora_task_id", T.TYPE_UINT64, [1]),
+    ("lora_weights", T.TYPE_FP16, [-1, -1]),
+    ("lora_config", T.TYPE_INT32, [-1, 3]),
+    ("context_phase_params", T.TYPE_UINT8, [-1]),
+    ("skip_cross_attn_blocks", T.TYPE_BOOL, [1]),
+    ("retention_token_range_starts", T.TYPE_INT32, [-1]),
+    ("retention_token_range_ends", T.TYPE_INT32, [-1]),
+    ("retention_token_range_priorities", T.TYPE_INT32, [-1]),
+    ("retention_token_range_durations_ms", T.TYPE_INT32, [-1]),
+    ("retention_decode_priority", T.TYPE_INT32, [1]),
+    ("retention_decode_duration_ms", T.TYPE_INT32, [1]),
+    ("guided_decoding_guide_type", T.TYPE_STRING, [1]),
+    ("guided_decoding_guide", T.TYPE_STRING, [1]),
+    ("lookahead_window_size", T.TYPE_INT32, [1]),
+    ("lookahead_ngram_size", T.TYPE_INT32, [1]),
+    ("lookahead_verification_set_size", T.TYPE_INT32, [1]),
 ]
 TRTLLM_REQUIRED = ("input_lengths", "request_output_len")
 # [1] inputs the backend does not reshape to scalars; [-1]-shaped ones and these are ragged-batched
-TRTLLM_NOT_RESHAPED = ("mrope_position_deltas", "skip_cross_attn_blocks", "retention_decode_priority",
-                       "retention_decode_duration_ms", "guided_decoding_guide_type", "guided_decoding_guide",
-                       "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+TRTLLM_NOT_RESHAPED = (
+    "mrope_position_deltas",
+    "skip_cross_attn_blocks",
+    "retention_decode_priority",
+    "retention_decode_duration_ms",
+    "guided_decoding_guide_type",
+    "guided_decoding_guide",
+    "lookahead_window_size",
+    "lookahead_ngram_size",
+    "lookahead_verification_set_size",
+)
 # The native generator sends the first six on every response (output_ids [beam, tokens] with one beam); it never
 # sends log probs, logits, disaggregated-serving parameters, KV-cache statistics or timings (requests for them are
 # refused); the speculation statistics are its STATS.
 TRTLLM_MODEL_OUTPUTS = [
-    ("output_ids", T.TYPE_INT32, [-1, -1]), ("sequence_length", T.TYPE_INT32, [-1]),
-    ("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1]),
-    ("context_logits", T.TYPE_FP32, [-1, -1]), ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
-    ("batch_index", T.TYPE_INT32, [1]), ("sequence_index", T.TYPE_INT32, [1]),
-    ("context_phase_params", T.TYPE_UINT8, [-1]), ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
-    ("kv_cache_reused_blocks", T.TYPE_INT32, [1]), ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
-    ("arrival_time_ns", T.TYPE_INT64, [1]), ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
-    ("first_token_time_ns", T.TYPE_INT64, [1]), ("last_token_time_ns", T.TYPE_INT64, [1]),
-    ("acceptance_rate", T.TYPE_FP32, [1]), ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
-    ("total_draft_tokens", T.TYPE_INT32, [1]), ("num_input_tokens", T.TYPE_INT32, [1]),
+    ("output_ids", T.TYPE_INT32, [-1, -1]),
+    ("sequence_length", T.TYPE_INT32, [-1]),
+    ("cum_log_probs", T.TYPE_FP32, [-1]),
+    ("output_log_probs", T.TYPE_FP32, [-1, -1]),
+    ("context_logits", T.TYPE_FP32, [-1, -1]),
+    ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
+    ("batch_index", T.TYPE_INT32, [1]),
+    ("sequence_index", T.TYPE_INT32, [1]),
+    ("context_phase_params", T.TYPE_UINT8, [-1]),
+    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
+    ("arrival_time_ns", T.TYPE_INT64, [1]),
+    ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
+    ("first_token_time_ns", T.TYPE_INT64, [1]),
+    ("last_token_time_ns", T.TYPE_INT64, [1]),
+    ("acceptance_rate", T.TYPE_FP32, [1]),
+    ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
+    ("total_draft_tokens", T.TYPE_INT32, [1]),
+    ("num_input_tokens", T.TYPE_INT32, [1]),
     ("num_output_tokens", T.TYPE_INT32, [1]),
 ]
 STATS = [  # generator -> postprocessing -> client, unchanged; the first three are TRT-LLM's names
-    ("acceptance_rate", T.TYPE_FP32), ("total_accepted_draft_tokens", T.TYPE_INT32),
-    ("total_draft_tokens", T.TYPE_INT32), ("tokens_per_step", T.TYPE_FP32), ("verifier_steps", T.TYPE_INT32),
+    ("acceptance_rate", T.TYPE_FP32),
+    ("total_accepted_draft_tokens", T.TYPE_INT32),
+    ("total_draft_tokens", T.TYPE_INT32),
+    ("tokens_per_step", T.TYPE_FP32),
+    ("verifier_steps", T.TYPE_INT32),
     ("engine_version", T.TYPE_INT32),
 ]
 
 
 # --- protobuf helpers -------------------------------------------------------------------------------------
+
 
 def _io(cls, name, dtype, dims, optional=False):
     m = cls(name=name, data_type=dtype, dims=dims)
@@ -202,19 +272,23 @@ def version_policy_proto(policy) -> mc.ModelVersionPolicy:
         n = policy["latest"]
         n = n.get("num_versions", 1) if isinstance(n, dict) else n
         if not isinstance(n, int) or n < 1:
-            raise UserError(f"version_policy latest needs a positive number of versions, got {n!r}",
-                            key="triton.version_policy")
+            raise UserError(
+                f"version_policy latest needs a positive number of versions, got {n!r}", key="triton.version_policy"
+            )
         p.latest.num_versions = n
     elif isinstance(policy, dict) and len(policy) == 1 and "specific" in policy:
         vs = policy["specific"]
         vs = vs.get("versions", []) if isinstance(vs, dict) else vs
         if not vs or not all(isinstance(v, int) and v > 0 for v in vs):
-            raise UserError(f"version_policy specific needs a list of positive versions, got {vs!r}",
-                            key="triton.version_policy")
+            raise UserError(
+                f"version_policy specific needs a list of positive versions, got {vs!r}", key="triton.version_policy"
+            )
         p.specific.versions.extend(vs)
     else:
-        raise UserError(f"version_policy must be 'latest', 'all', {{latest: n}} or {{specific: [..]}}, got {policy!r}",
-                        key="triton.version_policy")
+        raise UserError(
+            f"version_policy must be 'latest', 'all', {{latest: n}} or {{specific: [..]}}, got {policy!r}",
+            key="triton.version_policy",
+        )
     return p
 
 
@@ -232,31 +306,52 @@ def read_config(path: Path) -> mc.ModelConfig:
 # requests by name; the first five inputs and seven outputs are what bpcompile's preprocessing uses and makes,
 # the rest (encoder-decoder, multimodal, embedding bias, prompt tables) are declared and refused when sent.
 PREPROCESSING_INPUTS = [
-    ("QUERY", T.TYPE_STRING, [1], True), ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1], True),
-    ("STOP_WORDS_DICT", T.TYPE_STRING, [-1], True), ("BAD_WORDS_DICT", T.TYPE_STRING, [-1], True),
-    ("END_ID", T.TYPE_INT32, [1], True), ("PAD_ID", T.TYPE_INT32, [1], True),
-    ("DECODER_QUERY", T.TYPE_STRING, [1], True), ("IMAGE_BYTES", T.TYPE_UINT8, [-1, -1, -1, -1], True),
-    ("IMAGE_URL", T.TYPE_STRING, [1], True), ("IMAGES", T.TYPE_STRING, [-1], True),
-    ("VIDEO_BYTES", T.TYPE_UINT8, [-1, -1, -1, -1], True), ("EMBEDDING_BIAS_WORDS", T.TYPE_STRING, [-1], True),
-    ("EMBEDDING_BIAS_WEIGHTS", T.TYPE_FP32, [-1], True), ("PROMPT_TABLE_EXTRA_ID", T.TYPE_UINT64, [1], True),
+    ("QUERY", T.TYPE_STRING, [1], True),
+    ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1], True),
+    ("STOP_WORDS_DICT", T.TYPE_STRING, [-1], True),
+    ("BAD_WORDS_DICT", T.TYPE_STRING, [-1], True),
+    ("END_ID", T.TYPE_INT32, [1], True),
+    ("PAD_ID", T.TYPE_INT32, [1], True),
+    ("DECODER_QUERY", T.TYPE_STRING, [1], True),
+    ("IMAGE_BYTES", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("IMAGE_URL", T.TYPE_STRING, [1], True),
+    ("IMAGES", T.TYPE_STRING, [-1], True),
+    ("VIDEO_BYTES", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("EMBEDDING_BIAS_WORDS", T.TYPE_STRING, [-1], True),
+    ("EMBEDDING_BIAS_WEIGHTS", T.TYPE_FP32, [-1], True),
+    ("PROMPT_TABLE_EXTRA_ID", T.TYPE_UINT64, [1], True),
 ]
 PREPROCESSING_OUTPUTS = [
-    ("INPUT_ID", T.TYPE_INT32, [-1]), ("REQUEST_INPUT_LEN", T.TYPE_INT32, [1]),
-    ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [-1]), ("STOP_WORDS_IDS", T.TYPE_INT32, [2, -1]),
-    ("BAD_WORDS_IDS", T.TYPE_INT32, [2, -1]), ("OUT_END_ID", T.TYPE_INT32, [1]), ("OUT_PAD_ID", T.TYPE_INT32, [1]),
-    ("DECODER_INPUT_ID", T.TYPE_INT32, [-1]), ("REQUEST_DECODER_INPUT_LEN", T.TYPE_INT32, [1]),
-    ("EMBEDDING_BIAS", T.TYPE_FP32, [-1]), ("OUT_PROMPT_TABLE_EXTRA_IDS", T.TYPE_UINT64, [-1]),
-    ("PIXEL_VALUES", T.TYPE_FP16, [-1, -1, -1, -1]), ("ASPECT_RATIO_IDS", T.TYPE_INT64, [-1]),
-    ("ASPECT_RATIO_MASK", T.TYPE_INT64, [-1, -1]), ("CROSS_ATTENTION_MASK", T.TYPE_INT64, [-1, -1, -1]),
-    ("IMAGE_SIZES", T.TYPE_INT64, [-1, 2]), ("IS_VIDEO_INPUT", T.TYPE_BOOL, [1]),
-    ("ATTENTION_MASK", T.TYPE_INT64, [-1]), ("IMAGE_GRID_THW", T.TYPE_INT64, [3]),
+    ("INPUT_ID", T.TYPE_INT32, [-1]),
+    ("REQUEST_INPUT_LEN", T.TYPE_INT32, [1]),
+    ("REQUEST_OUTPUT_LEN", T.TYPE_INT32, [-1]),
+    ("STOP_WORDS_IDS", T.TYPE_INT32, [2, -1]),
+    ("BAD_WORDS_IDS", T.TYPE_INT32, [2, -1]),
+    ("OUT_END_ID", T.TYPE_INT32, [1]),
+    ("OUT_PAD_ID", T.TYPE_INT32, [1]),
+    ("DECODER_INPUT_ID", T.TYPE_INT32, [-1]),
+    ("REQUEST_DECODER_INPUT_LEN", T.TYPE_INT32, [1]),
+    ("EMBEDDING_BIAS", T.TYPE_FP32, [-1]),
+    ("OUT_PROMPT_TABLE_EXTRA_IDS", T.TYPE_UINT64, [-1]),
+    ("PIXEL_VALUES", T.TYPE_FP16, [-1, -1, -1, -1]),
+    ("ASPECT_RATIO_IDS", T.TYPE_INT64, [-1]),
+    ("ASPECT_RATIO_MASK", T.TYPE_INT64, [-1, -1]),
+    ("CROSS_ATTENTION_MASK", T.TYPE_INT64, [-1, -1, -1]),
+    ("IMAGE_SIZES", T.TYPE_INT64, [-1, 2]),
+    ("IS_VIDEO_INPUT", T.TYPE_BOOL, [1]),
+    ("ATTENTION_MASK", T.TYPE_INT64, [-1]),
+    ("IMAGE_GRID_THW", T.TYPE_INT64, [3]),
     ("VISION_INPUT_ID", T.TYPE_INT32, [-1]),
 ]
 
 
 def preprocessing_config(max_batch_size: int, policy, instances: int = 1) -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name="preprocessing", backend="python", max_batch_size=max_batch_size,
-                         version_policy=version_policy_proto(policy))
+    cfg = mc.ModelConfig(
+        name="preprocessing",
+        backend="python",
+        max_batch_size=max_batch_size,
+        version_policy=version_policy_proto(policy),
+    )
     _inputs(cfg, PREPROCESSING_INPUTS)
     _outputs(cfg, PREPROCESSING_OUTPUTS)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
@@ -268,20 +363,37 @@ def preprocessing_config(max_batch_size: int, policy, instances: int = 1) -> mc.
 # tells its interfaces apart by input_ids, so every input is optional.
 _TRTLLM_NAMES = {n for n, _, _ in TRTLLM_MODEL_INPUTS}
 GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in _TRTLLM_NAMES]
-GENERATOR_TEXT_OUTPUTS = [("text_output", T.TYPE_STRING, [-1]), ("response_index", T.TYPE_INT32, [1]),
-                          ("finish_reason", T.TYPE_STRING, [1])]
+GENERATOR_TEXT_OUTPUTS = [
+    ("text_output", T.TYPE_STRING, [-1]),
+    ("response_index", T.TYPE_INT32, [1]),
+    ("finish_reason", T.TYPE_STRING, [1]),
+]
 
 
-def generator_config(max_batch_size: int, policy, instances: int = 1, device: str = "cpu",
-                     tree: Optional[dict] = None) -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name=GENERATOR, backend="python", max_batch_size=max_batch_size,
-                         version_policy=version_policy_proto(policy))
+def generator_config(
+    max_batch_size: int, policy, instances: int = 1, device: str = "cpu", tree: Optional[dict] = None
+) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(
+        name=GENERATOR, backend="python", max_batch_size=max_batch_size, version_policy=version_policy_proto(policy)
+    )
     cfg.model_transaction_policy.decoupled = True
-    _inputs(cfg, [(n, t, d, True) for n, t, d in TRTLLM_MODEL_INPUTS] + GENERATOR_TEXT_INPUTS
-            + [(n, t, d, True) for n, t, d in BACKEND_INPUTS if n not in _TRTLLM_NAMES])
-    ours = [("CONTEXT_IDS", T.TYPE_INT32, [-1]), ("READ_OFFSET", T.TYPE_INT32, [1]), ("IS_FINAL", T.TYPE_BOOL, [1]),
-            ("RESPONSE_INDEX", T.TYPE_INT32, [1]), ("FINISH_REASON", T.TYPE_STRING, [1])] \
-        + [(n, t, [1]) for n, t in STATS] + GENERATOR_TEXT_OUTPUTS
+    _inputs(
+        cfg,
+        [(n, t, d, True) for n, t, d in TRTLLM_MODEL_INPUTS]
+        + GENERATOR_TEXT_INPUTS
+        + [(n, t, d, True) for n, t, d in BACKEND_INPUTS if n not in _TRTLLM_NAMES],
+    )
+    ours = (
+        [
+            ("CONTEXT_IDS", T.TYPE_INT32, [-1]),
+            ("READ_OFFSET", T.TYPE_INT32, [1]),
+            ("IS_FINAL", T.TYPE_BOOL, [1]),
+            ("RESPONSE_INDEX", T.TYPE_INT32, [1]),
+            ("FINISH_REASON", T.TYPE_STRING, [1]),
+        ]
+        + [(n, t, [1]) for n, t in STATS]
+        + GENERATOR_TEXT_OUTPUTS
+    )
     _outputs(cfg, ours + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in {n for n, _, _ in ours}])
     # One instance = one runtime = one in-flight batch; more instances are more model copies, each its own batch.
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
@@ -291,19 +403,38 @@ def generator_config(max_batch_size: int, policy, instances: int = 1, device: st
 
 
 def postprocessing_config(max_batch_size: int, policy, target: str = "native") -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name="postprocessing", backend="python", max_batch_size=max_batch_size,
-                         version_policy=version_policy_proto(policy))
+    cfg = mc.ModelConfig(
+        name="postprocessing",
+        backend="python",
+        max_batch_size=max_batch_size,
+        version_policy=version_policy_proto(policy),
+    )
     if target == "tensorrt-llm":
         _inputs(cfg, [("TOKENS_BATCH", T.TYPE_INT32, [-1, -1], False), ("SEQUENCE_LENGTH", T.TYPE_INT32, [-1], False)])
         _outputs(cfg, [("OUTPUT", T.TYPE_STRING, [-1]), ("OUTPUT_IDS", T.TYPE_INT32, [-1])])
         _params(cfg, input_format="trtllm")
     else:
-        _inputs(cfg, [("CONTEXT_IDS", T.TYPE_INT32, [-1], False), ("READ_OFFSET", T.TYPE_INT32, [1], False),
-                      ("IS_FINAL", T.TYPE_BOOL, [1], False), ("RESPONSE_INDEX", T.TYPE_INT32, [1], False),
-                      ("FINISH_REASON", T.TYPE_STRING, [1], False)] + [(n, t, [1], False) for n, t in STATS])
-        _outputs(cfg, [("OUTPUT", T.TYPE_STRING, [-1]), ("OUTPUT_IDS", T.TYPE_INT32, [-1]),
-                       ("OUT_RESPONSE_INDEX", T.TYPE_INT32, [1]), ("OUT_FINISH_REASON", T.TYPE_STRING, [1])]
-                 + [("OUT_" + n, t, [1]) for n, t in STATS])
+        _inputs(
+            cfg,
+            [
+                ("CONTEXT_IDS", T.TYPE_INT32, [-1], False),
+                ("READ_OFFSET", T.TYPE_INT32, [1], False),
+                ("IS_FINAL", T.TYPE_BOOL, [1], False),
+                ("RESPONSE_INDEX", T.TYPE_INT32, [1], False),
+                ("FINISH_REASON", T.TYPE_STRING, [1], False),
+            ]
+            + [(n, t, [1], False) for n, t in STATS],
+        )
+        _outputs(
+            cfg,
+            [
+                ("OUTPUT", T.TYPE_STRING, [-1]),
+                ("OUTPUT_IDS", T.TYPE_INT32, [-1]),
+                ("OUT_RESPONSE_INDEX", T.TYPE_INT32, [1]),
+                ("OUT_FINISH_REASON", T.TYPE_STRING, [1]),
+            ]
+            + [("OUT_" + n, t, [1]) for n, t in STATS],
+        )
         _params(cfg, input_format="native")
     # Exactly one instance: responses of one request are processed first-in first-out (see module doc).
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
@@ -314,8 +445,10 @@ DRAFT, BLS = "tensorrt_llm_draft", "tensorrt_llm_bls"  # target tensorrt-llm wit
 BLS_ENV = "BPCOMPILE_TRTLLM_BLS_DIR"
 # Where TensorRT-LLM's Triton containers keep tensorrtllm_backend's BLS model (its model.py and lib/): the BLS is
 # the backend's own code, copied into the repository at emission, not part of bpcompile.
-BLS_CANDIDATES = ("/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1",
-                  "/app/tensorrt_llm/triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1")
+BLS_CANDIDATES = (
+    "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1",
+    "/app/tensorrt_llm/triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1",
+)
 
 
 def trtllm_engine_path(version: int, role: str) -> str:
@@ -324,10 +457,19 @@ def trtllm_engine_path(version: int, role: str) -> str:
     return f"{GENERATOR}/{version}/engine/trtllm/{role}"
 
 
-def trtllm_generator_config(max_batch_size: int, engine_path: str, *, name: str = GENERATOR, decoupled: bool = True,
-                            kv_cache_reuse: bool = False, kv_cache_free_gpu_mem_fraction=0.9,
-                            batch_scheduler_policy="guaranteed_no_evict", max_queue_delay_microseconds=0,
-                            gpu_device_ids: str = "", tokenizer_dir: str = "") -> mc.ModelConfig:
+def trtllm_generator_config(
+    max_batch_size: int,
+    engine_path: str,
+    *,
+    name: str = GENERATOR,
+    decoupled: bool = True,
+    kv_cache_reuse: bool = False,
+    kv_cache_free_gpu_mem_fraction=0.9,
+    batch_scheduler_policy="guaranteed_no_evict",
+    max_queue_delay_microseconds=0,
+    gpu_device_ids: str = "",
+    tokenizer_dir: str = "",
+) -> mc.ModelConfig:
     """A TensorRT-LLM engine as the C++ `tensorrtllm` backend serves it, with the backend's tensorrt_llm inputs and
     outputs. Model versions do not apply to it: the engine is named by gpt_model_path, which add_version points at
     the newest version. With a draft model (speculative decoding through the BLS model) both engines are
@@ -344,14 +486,22 @@ def trtllm_generator_config(max_batch_size: int, engine_path: str, *, name: str 
             i.allow_ragged_batch = True
     _outputs(cfg, TRTLLM_MODEL_OUTPUTS)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
-    _params(cfg, gpt_model_path=engine_path, gpt_model_type="inflight_fused_batching",
-            batch_scheduler_policy=batch_scheduler_policy,
-            kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction, max_beam_width=1,
-            exclude_input_in_output="true", enable_kv_cache_reuse="true" if kv_cache_reuse else "false",
-            decoupled_mode="true" if decoupled else "false",
-            cancellation_check_period_ms=100, stats_check_period_ms=100, FORCE_CPU_ONLY_INPUT_TENSORS="no",
-            **({"gpu_device_ids": gpu_device_ids} if gpu_device_ids else {}),
-            **({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}))
+    _params(
+        cfg,
+        gpt_model_path=engine_path,
+        gpt_model_type="inflight_fused_batching",
+        batch_scheduler_policy=batch_scheduler_policy,
+        kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+        max_beam_width=1,
+        exclude_input_in_output="true",
+        enable_kv_cache_reuse="true" if kv_cache_reuse else "false",
+        decoupled_mode="true" if decoupled else "false",
+        cancellation_check_period_ms=100,
+        stats_check_period_ms=100,
+        FORCE_CPU_ONLY_INPUT_TENSORS="no",
+        **({"gpu_device_ids": gpu_device_ids} if gpu_device_ids else {}),
+        **({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}),
+    )
     return cfg
 
 
@@ -359,31 +509,60 @@ def trtllm_generator_config(max_batch_size: int, engine_path: str, *, name: str 
 # proposes num_draft_tokens, the target verifies them) as a decoupled Python model calling preprocessing,
 # tensorrt_llm_draft, tensorrt_llm and postprocessing.
 BLS_INPUTS = [
-    ("text_input", T.TYPE_STRING, [1], False), ("decoder_text_input", T.TYPE_STRING, [1], True),
-    ("image_input", T.TYPE_FP16, [-1, 3, -1, -1], True), ("image_bytes_input", T.TYPE_UINT8, [-1, -1, -1, -1], True),
-    ("image_url_input", T.TYPE_STRING, [1], True), ("video_bytes_input", T.TYPE_UINT8, [-1, -1, -1, -1], True),
-    ("max_tokens", T.TYPE_INT32, [1], False), ("bad_words", T.TYPE_STRING, [-1], True),
-    ("stop_words", T.TYPE_STRING, [-1], True), ("exclude_input_in_output", T.TYPE_BOOL, [1], True),
-    ("end_id", T.TYPE_INT32, [1], True), ("pad_id", T.TYPE_INT32, [1], True), ("top_k", T.TYPE_INT32, [1], True),
-    ("top_p", T.TYPE_FP32, [1], True), ("temperature", T.TYPE_FP32, [1], True),
-    ("length_penalty", T.TYPE_FP32, [1], True), ("repetition_penalty", T.TYPE_FP32, [1], True),
-    ("min_tokens", T.TYPE_INT32, [1], True), ("presence_penalty", T.TYPE_FP32, [1], True),
-    ("frequency_penalty", T.TYPE_FP32, [1], True), ("seed", T.TYPE_UINT64, [1], True),
-    ("return_log_probs", T.TYPE_BOOL, [1], True), ("return_context_logits", T.TYPE_BOOL, [1], True),
-    ("return_generation_logits", T.TYPE_BOOL, [1], True), ("num_return_sequences", T.TYPE_INT32, [1], True),
-    ("beam_width", T.TYPE_INT32, [1], True), ("stream", T.TYPE_BOOL, [1], True),
-    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1], True), ("prompt_vocab_size", T.TYPE_INT32, [1], True),
-    ("prompt_table_extra_id", T.TYPE_UINT64, [1], True), ("embedding_bias_words", T.TYPE_STRING, [-1], True),
-    ("embedding_bias_weights", T.TYPE_FP32, [-1], True), ("num_draft_tokens", T.TYPE_INT32, [1], True),
-    ("use_draft_logits", T.TYPE_BOOL, [1], True), ("lora_task_id", T.TYPE_UINT64, [1], True),
-    ("lora_weights", T.TYPE_FP16, [-1, -1], True), ("lora_config", T.TYPE_INT32, [-1, 3], True),
-    ("return_perf_metrics", T.TYPE_BOOL, [1], True), ("return_num_input_tokens", T.TYPE_BOOL, [1], True),
-    ("return_num_output_tokens", T.TYPE_BOOL, [1], True), ("guided_decoding_guide_type", T.TYPE_STRING, [1], True),
+    ("text_input", T.TYPE_STRING, [1], False),
+    ("decoder_text_input", T.TYPE_STRING, [1], True),
+    ("image_input", T.TYPE_FP16, [-1, 3, -1, -1], True),
+    ("image_bytes_input", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("image_url_input", T.TYPE_STRING, [1], True),
+    ("video_bytes_input", T.TYPE_UINT8, [-1, -1, -1, -1], True),
+    ("max_tokens", T.TYPE_INT32, [1], False),
+    ("bad_words", T.TYPE_STRING, [-1], True),
+    ("stop_words", T.TYPE_STRING, [-1], True),
+    ("exclude_input_in_output", T.TYPE_BOOL, [1], True),
+    ("end_id", T.TYPE_INT32, [1], True),
+    ("pad_id", T.TYPE_INT32, [1], True),
+    ("top_k", T.TYPE_INT32, [1], True),
+    ("top_p", T.TYPE_FP32, [1], True),
+    ("temperature", T.TYPE_FP32, [1], True),
+    ("length_penalty", T.TYPE_FP32, [1], True),
+    ("repetition_penalty", T.TYPE_FP32, [1], True),
+    ("min_tokens", T.TYPE_INT32, [1], True),
+    ("presence_penalty", T.TYPE_FP32, [1], True),
+    ("frequency_penalty", T.TYPE_FP32, [1], True),
+    ("seed", T.TYPE_UINT64, [1], True),
+    ("return_log_probs", T.TYPE_BOOL, [1], True),
+    ("return_context_logits", T.TYPE_BOOL, [1], True),
+    ("return_generation_logits", T.TYPE_BOOL, [1], True),
+    ("num_return_sequences", T.TYPE_INT32, [1], True),
+    ("beam_width", T.TYPE_INT32, [1], True),
+    ("stream", T.TYPE_BOOL, [1], True),
+    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1], True),
+    ("prompt_vocab_size", T.TYPE_INT32, [1], True),
+    ("prompt_table_extra_id", T.TYPE_UINT64, [1], True),
+    ("embedding_bias_words", T.TYPE_STRING, [-1], True),
+    ("embedding_bias_weights", T.TYPE_FP32, [-1], True),
+    ("num_draft_tokens", T.TYPE_INT32, [1], True),
+    ("use_draft_logits", T.TYPE_BOOL, [1], True),
+    ("lora_task_id", T.TYPE_UINT64, [1], True),
+    ("lora_weights", T.TYPE_FP16, [-1, -1], True),
+    ("lora_config", T.TYPE_INT32, [-1, 3], True),
+    ("return_perf_metrics", T.TYPE_BOOL, [1], True),
+    ("return_num_input_tokens", T.TYPE_BOOL, [1], True),
+    ("return_num_output_tokens", T.TYPE_BOOL, [1], True),
+    ("guided_decoding_guide_type", T.TYPE_STRING, [1], True),
     ("guided_decoding_guide", T.TYPE_STRING, [1], True),
 ]
-BLS_RESHAPED = ("return_log_probs", "return_context_logits", "return_generation_logits", "num_return_sequences",
-                "use_draft_logits", "lora_task_id", "return_perf_metrics", "return_num_input_tokens",
-                "return_num_output_tokens")
+BLS_RESHAPED = (
+    "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
+    "num_return_sequences",
+    "use_draft_logits",
+    "lora_task_id",
+    "return_perf_metrics",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
 
 
 def bls_config(max_batch_size: int, instances: int = 1) -> mc.ModelConfig:
@@ -395,10 +574,18 @@ def bls_config(max_batch_size: int, instances: int = 1) -> mc.ModelConfig:
             i.reshape.SetInParent()
         if i.name in ("lora_weights", "lora_config"):
             i.allow_ragged_batch = True
-    _outputs(cfg, [("text_output", T.TYPE_STRING, [-1])]
-             + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in ("output_ids", "sequence_length", "context_phase_params")])
-    _params(cfg, accumulate_tokens="false", tensorrt_llm_model_name=GENERATOR, tensorrt_llm_draft_model_name=DRAFT,
-            multimodal_encoders_name="")
+    _outputs(
+        cfg,
+        [("text_output", T.TYPE_STRING, [-1])]
+        + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in ("output_ids", "sequence_length", "context_phase_params")],
+    )
+    _params(
+        cfg,
+        accumulate_tokens="false",
+        tensorrt_llm_model_name=GENERATOR,
+        tensorrt_llm_draft_model_name=DRAFT,
+        multimodal_encoders_name="",
+    )
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
     return cfg
 
@@ -410,23 +597,33 @@ def find_bls_source(explicit: Optional[Union[str, Path]] = None) -> Path:
     for c in tried:
         if (Path(c) / "model.py").is_file():
             return Path(c)
-    raise UserError(f"target tensorrt-llm with a draft model needs tensorrtllm_backend's {BLS} model (its model.py "
-                    f"and lib/, which TensorRT-LLM's Triton containers ship); none found at {', '.join(map(str, tried))}. "
-                    f"Emit inside that container, or point {BLS_ENV} (or emit --bls-from) at its "
-                    f"all_models/inflight_batcher_llm/{BLS}/1 directory", key="target")
+    raise UserError(
+        f"target tensorrt-llm with a draft model needs tensorrtllm_backend's {BLS} model (its model.py "
+        f"and lib/, which TensorRT-LLM's Triton containers ship); none found at {', '.join(map(str, tried))}. "
+        f"Emit inside that container, or point {BLS_ENV} (or emit --bls-from) at its "
+        f"all_models/inflight_batcher_llm/{BLS}/1 directory",
+        key="target",
+    )
 
 
 def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConfig:
     cfg = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=max_batch_size)
-    ins = ENSEMBLE_INPUTS + ([("return_perf_metrics", T.TYPE_BOOL, [1], True)] if target == "tensorrt-llm" else
-                             [(n, t, d, True) for n, t, d in BACKEND_INPUTS])
+    ins = ENSEMBLE_INPUTS + (
+        [("return_perf_metrics", T.TYPE_BOOL, [1], True)]
+        if target == "tensorrt-llm"
+        else [(n, t, d, True) for n, t, d in BACKEND_INPUTS]
+    )
     _inputs(cfg, ins)
     outs = [("text_output", T.TYPE_STRING, [-1]), ("output_ids", T.TYPE_INT32, [-1])]
     if target == "native":
         outs += [("response_index", T.TYPE_INT32, [1]), ("finish_reason", T.TYPE_STRING, [1])]
         outs += [(n, t, [1]) for n, t in STATS]
-        outs += [("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1]),
-                 ("context_logits", T.TYPE_FP32, [-1, -1]), ("generation_logits", T.TYPE_FP32, [-1, -1, -1])]
+        outs += [
+            ("cum_log_probs", T.TYPE_FP32, [-1]),
+            ("output_log_probs", T.TYPE_FP32, [-1, -1]),
+            ("context_logits", T.TYPE_FP32, [-1, -1]),
+            ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
+        ]
     else:
         outs += [(n, t, [1]) for n, t in STATS[:3]]
     _outputs(cfg, outs)
@@ -436,24 +633,54 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
         s.input_map.update(inputs)
         s.output_map.update(outputs)
 
-    step("preprocessing",
-         {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "STOP_WORDS_DICT": "stop_words",
-          "BAD_WORDS_DICT": "bad_words", "END_ID": "end_id"},
-         {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
-          "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "STOP_WORDS_IDS": "_STOP_WORDS_IDS",
-          "BAD_WORDS_IDS": "_BAD_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID"})
-    gen_in = {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
-              "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_PREPROCESSOR_END_ID",
-              "stop_words_list": "_STOP_WORDS_IDS", "bad_words_list": "_BAD_WORDS_IDS", "streaming": "stream",
-              "temperature": "temperature", "runtime_top_k": "top_k", "runtime_top_p": "top_p", "seed": "seed"}
+    step(
+        "preprocessing",
+        {
+            "QUERY": "text_input",
+            "REQUEST_OUTPUT_LEN": "max_tokens",
+            "STOP_WORDS_DICT": "stop_words",
+            "BAD_WORDS_DICT": "bad_words",
+            "END_ID": "end_id",
+        },
+        {
+            "INPUT_ID": "_INPUT_ID",
+            "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+            "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
+            "STOP_WORDS_IDS": "_STOP_WORDS_IDS",
+            "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
+            "OUT_END_ID": "_PREPROCESSOR_END_ID",
+        },
+    )
+    gen_in = {
+        "input_ids": "_INPUT_ID",
+        "input_lengths": "_REQUEST_INPUT_LEN",
+        "request_output_len": "_REQUEST_OUTPUT_LEN",
+        "end_id": "_PREPROCESSOR_END_ID",
+        "stop_words_list": "_STOP_WORDS_IDS",
+        "bad_words_list": "_BAD_WORDS_IDS",
+        "streaming": "stream",
+        "temperature": "temperature",
+        "runtime_top_k": "top_k",
+        "runtime_top_p": "top_p",
+        "seed": "seed",
+    }
     if target == "native":
         gen_in.update({n: n for n, _, _ in BACKEND_INPUTS})
         mid = ["CONTEXT_IDS", "READ_OFFSET", "IS_FINAL", "RESPONSE_INDEX", "FINISH_REASON"] + [n for n, _ in STATS]
-        step(GENERATOR, gen_in, {**{n: "_" + n.upper() for n in mid},
-                                 **{n: n for n in ("cum_log_probs", "output_log_probs", "context_logits",
-                                                   "generation_logits")}})
-        post_out = {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids", "OUT_RESPONSE_INDEX": "response_index",
-                    "OUT_FINISH_REASON": "finish_reason"}
+        step(
+            GENERATOR,
+            gen_in,
+            {
+                **{n: "_" + n.upper() for n in mid},
+                **{n: n for n in ("cum_log_probs", "output_log_probs", "context_logits", "generation_logits")},
+            },
+        )
+        post_out = {
+            "OUTPUT": "text_output",
+            "OUTPUT_IDS": "output_ids",
+            "OUT_RESPONSE_INDEX": "response_index",
+            "OUT_FINISH_REASON": "finish_reason",
+        }
         post_out.update({"OUT_" + n: n for n, _ in STATS})
         step("postprocessing", {n: "_" + n.upper() for n in mid}, post_out)
     else:
@@ -461,8 +688,11 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
         gen_out = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
         gen_out.update({n: n for n, _ in STATS[:3]})
         step(GENERATOR, gen_in, gen_out)
-        step("postprocessing", {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
-             {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids"})
+        step(
+            "postprocessing",
+            {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
+            {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids"},
+        )
     return cfg
 
 
@@ -470,9 +700,9 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
 
 MARKER = ".bpcompile-repository.json"  # {"engine": NAME}: written when bpcompile creates the repository
 LOCK = ".bpcompile-repository.lock"
-JOURNAL = ".bpcompile-switch.json"     # the renames of a switch in progress (see _commit)
-PLACEHOLDERS = ("README.md",)          # a new repository directory may hold a README (this checkout's does)
-_STAGED = (".staging-", ".tmp-")       # names of staged version directories and files
+JOURNAL = ".bpcompile-switch.json"  # the renames of a switch in progress (see _commit)
+PLACEHOLDERS = ("README.md",)  # a new repository directory may hold a README (this checkout's does)
+_STAGED = (".staging-", ".tmp-")  # names of staged version directories and files
 
 
 def _marker(repo: Path) -> Optional[dict]:
@@ -484,8 +714,9 @@ def _marker(repo: Path) -> Optional[dict]:
     except (OSError, ValueError):
         m = None
     if not isinstance(m, dict) or not isinstance(m.get("engine"), str):
-        raise UserError(f"damaged ownership marker (expected {{\"engine\": NAME}}); restore it or emit into a new "
-                        f"directory", file=str(f))
+        raise UserError(
+            'damaged ownership marker (expected {"engine": NAME}); restore it or emit into a new directory', file=str(f)
+        )
     return m
 
 
@@ -502,22 +733,29 @@ def check_repository(repo_dir: Union[str, Path], name: Optional[str]) -> Optiona
         raise UserError("not a directory" if repo.exists() else "no such repository", file=str(repo))
     m = _marker(repo)
     if m is None:
-        foreign = sorted(p.name for p in repo.iterdir()
-                         if p.name != LOCK and not (p.name in PLACEHOLDERS and p.is_file()))
+        foreign = sorted(
+            p.name for p in repo.iterdir() if p.name != LOCK and not (p.name in PLACEHOLDERS and p.is_file())
+        )
         if name is None:
             raise UserError(f"not a repository emitted by bpcompile (no {MARKER})", file=str(repo))
         if foreign:
             older = " (an older bpcompile's repository: move it away)" if SUMMARY in foreign else ""
             listing = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-            raise UserError(f"this directory is not empty ({listing})"
-                            f" and was not created by bpcompile (no {MARKER}){older}; bpcompile emits only into a "
-                            f"new or empty directory, which it then owns: choose another one (output.triton_repo "
-                            f"of the recipe, --repo of bpcompile emit)", file=str(repo))
+            raise UserError(
+                f"this directory is not empty ({listing})"
+                f" and was not created by bpcompile (no {MARKER}){older}; bpcompile emits only into a "
+                f"new or empty directory, which it then owns: choose another one (output.triton_repo "
+                f"of the recipe, --repo of bpcompile emit)",
+                file=str(repo),
+            )
         return None
     if name is not None and m["engine"] != name:
-        raise UserError(f"this repository serves engine {m['engine']!r}, not {name!r}: one engine name per "
-                        f"repository (its model versions are that engine's versions); choose another directory "
-                        f"(output.triton_repo of the recipe, --repo of bpcompile emit)", file=str(repo))
+        raise UserError(
+            f"this repository serves engine {m['engine']!r}, not {name!r}: one engine name per "
+            f"repository (its model versions are that engine's versions); choose another directory "
+            f"(output.triton_repo of the recipe, --repo of bpcompile emit)",
+            file=str(repo),
+        )
     return m
 
 
@@ -525,13 +763,19 @@ def _check_apart(repo: Path, engine_dir: Path) -> None:
     """The repository must not overlap the engine store: emission creates and replaces directories in it."""
     r, e = repo.resolve(), Path(engine_dir).resolve()
     if e.is_relative_to(r) or r.is_relative_to(e.parent):
-        raise UserError(f"the repository overlaps the engine store of {e} (emission would write among engine "
-                        f"versions); emit into a directory outside it", file=str(repo))
+        raise UserError(
+            f"the repository overlaps the engine store of {e} (emission would write among engine "
+            f"versions); emit into a directory outside it",
+            file=str(repo),
+        )
 
 
 def _model_versions(d: Path) -> set[int]:
-    return {int(p.name) for p in d.iterdir() if p.name.isdigit() and not p.name.startswith("0") and p.is_dir()} \
-        if d.is_dir() else set()
+    return (
+        {int(p.name) for p in d.iterdir() if p.name.isdigit() and not p.name.startswith("0") and p.is_dir()}
+        if d.is_dir()
+        else set()
+    )
 
 
 def _remove(p: Path) -> None:
@@ -592,9 +836,11 @@ def _locked(repo: Path, name: Optional[str], engine_dirs: Iterable[Path] = ()) -
         _check_apart(repo, e)
     check_repository(repo, name)  # refuse before writing anything
     if (repo / "generator" / "config.pbtxt").is_file() and (repo / MARKER).is_file():
-        raise UserError(f"{repo} was emitted by an earlier bpcompile, whose generating model was named 'generator' "
-                        f"(now '{GENERATOR}', tensorrtllm_backend's name): emit into a new directory",
-                        file=str(repo))
+        raise UserError(
+            f"{repo} was emitted by an earlier bpcompile, whose generating model was named 'generator' "
+            f"(now '{GENERATOR}', tensorrtllm_backend's name): emit into a new directory",
+            file=str(repo),
+        )
     repo.mkdir(parents=True, exist_ok=True)
     with FileLock(str(repo / LOCK)):
         if check_repository(repo, name) is None:  # again: another process may have got here first
@@ -637,6 +883,7 @@ def _commit(repo: Path, renames: list[tuple[Path, Path]]) -> None:
 
 # --- engine versions --------------------------------------------------------------------------------------
 
+
 def _engine_config(engine_dir: Path) -> EngineConfig:
     cfg = EngineConfig.load(engine_dir)
     for need in ("tokenizer/tokenizer.json",):
@@ -664,8 +911,11 @@ def _check_links(engine_dir: Path) -> None:
         for n in dirs + files:
             p = Path(d) / n
             if p.is_symlink() and not p.resolve().is_relative_to(root):
-                raise UserError(f"a symbolic link to {p.resolve()}, outside the engine version: it would be "
-                                f"copied into the repository", file=str(p))
+                raise UserError(
+                    f"a symbolic link to {p.resolve()}, outside the engine version: it would be "
+                    f"copied into the repository",
+                    file=str(p),
+                )
 
 
 def _tokenizer_hash(engine_dir: Path) -> str:
@@ -677,16 +927,20 @@ def _speculative_trtllm(engine_dir: Path, target: str) -> bool:
     return target == "tensorrt-llm" and _engine_config(engine_dir).speculative.tree == "chain"
 
 
-def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
-                   link: bool, bls_source: Optional[Path] = None) -> tuple[list[tuple[Path, Path]], dict]:
+def _stage_version(
+    repo: Path, version: int, engine_dir: Path, target: str, link: bool, bls_source: Optional[Path] = None
+) -> tuple[list[tuple[Path, Path]], dict]:
     """Fill hidden staging directories for model_dir/<version>/ of the three models (and, for a TensorRT-LLM
     draft-target pair, of tensorrt_llm_draft, empty, and tensorrt_llm_bls, the backend's BLS files); returns the
     renames that publish them (generator last) and the version's summary entry."""
     engine_dir = Path(engine_dir).resolve()
     existing = [m for m in VERSIONED if (repo / m / str(version)).exists()]
     if existing:
-        raise UserError(f"{repo} already has version {version} of {', '.join(existing)}; "
-                        f"versions are immutable (publish a new engine version instead)", file=str(repo))
+        raise UserError(
+            f"{repo} already has version {version} of {', '.join(existing)}; "
+            f"versions are immutable (publish a new engine version instead)",
+            file=str(repo),
+        )
     _check_links(engine_dir)
     tok = engine_dir / "tokenizer"
 
@@ -694,6 +948,7 @@ def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
         def fill(d):
             shutil.copy2(MODELS_DIR / f"{model}.py", d / "model.py")
             shutil.copytree(tok, d / "tokenizer")
+
         return fill
 
     def fill_generator(d):
@@ -704,24 +959,39 @@ def _stage_version(repo: Path, version: int, engine_dir: Path, target: str,
         else:
             shutil.copytree(engine_dir, d / "engine", symlinks=False)
         m = _manifest(engine_dir)
-        (d / "engine_source.json").write_text(json.dumps(
-            {"engine_dir": str(engine_dir), "copied": not link, "name": m.get("name"),
-             "version": m.get("version"), "build_id": m.get("build_id")}, indent=2) + "\n")
+        (d / "engine_source.json").write_text(
+            json.dumps(
+                {
+                    "engine_dir": str(engine_dir),
+                    "copied": not link,
+                    "name": m.get("name"),
+                    "version": m.get("version"),
+                    "build_id": m.get("build_id"),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     fills = [("preprocessing", copy_tokenizer("preprocessing")), ("postprocessing", copy_tokenizer("postprocessing"))]
     if _speculative_trtllm(engine_dir, target):  # the C++ backend takes the draft engine from gpt_model_path
         src = find_bls_source(bls_source)
-        fills += [(DRAFT, lambda d: None),
-                  (BLS, lambda d: shutil.copytree(src, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
-                      "__pycache__")))]
+        fills += [
+            (DRAFT, lambda d: None),
+            (BLS, lambda d: shutil.copytree(src, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))),
+        ]
     renames = []
     for model, fill in fills + [(GENERATOR, fill_generator)]:
         tmp = repo / model / f".staging-{version}-{uuid.uuid4().hex[:8]}"  # Triton ignores non-numeric names
         tmp.mkdir(parents=True)
         renames.append((tmp, repo / model / str(version)))
         fill(tmp)
-    return renames, {"version": version, "engine_dir": str(engine_dir),
-                     "build_id": _manifest(engine_dir).get("build_id"), "tokenizer": _tokenizer_hash(engine_dir)}
+    return renames, {
+        "version": version,
+        "engine_dir": str(engine_dir),
+        "build_id": _manifest(engine_dir).get("build_id"),
+        "tokenizer": _tokenizer_hash(engine_dir),
+    }
 
 
 def _versions(repo: Path) -> list[int]:
@@ -749,8 +1019,18 @@ def _summary(repo: Path) -> dict:
     return s if isinstance(s, dict) else {}
 
 
-def _prepare(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo: Path, *, target, version_policy,
-             max_batch_size, preprocessing_instances, generator_instances, device, tree) -> dict:
+def _prepare(
+    engine_dirs: Iterable[tuple[int, Union[str, Path]]],
+    repo: Path,
+    *,
+    target,
+    version_policy,
+    max_batch_size,
+    preprocessing_instances,
+    generator_instances,
+    device,
+    tree,
+) -> dict:
     """Check the engines and build every config before anything is written."""
     engines = sorted((int(v), Path(p)) for v, p in engine_dirs)
     if not engines:
@@ -779,22 +1059,37 @@ def _prepare(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo: Path, *,
     else:
         v, newest = engines[-1]
         spec = _speculative_trtllm(newest, target)
-        configs[GENERATOR] = trtllm_generator_config(mbs, trtllm_engine_path(v, "verifier"), decoupled=not spec,
-                                                     kv_cache_reuse=spec, tokenizer_dir=f"preprocessing/{v}/tokenizer")
+        configs[GENERATOR] = trtllm_generator_config(
+            mbs,
+            trtllm_engine_path(v, "verifier"),
+            decoupled=not spec,
+            kv_cache_reuse=spec,
+            tokenizer_dir=f"preprocessing/{v}/tokenizer",
+        )
         if spec:
-            configs[DRAFT] = trtllm_generator_config(mbs, trtllm_engine_path(v, "draft"), name=DRAFT,
-                                                     decoupled=False, kv_cache_reuse=True)
+            configs[DRAFT] = trtllm_generator_config(
+                mbs, trtllm_engine_path(v, "draft"), name=DRAFT, decoupled=False, kv_cache_reuse=True
+            )
             configs[BLS] = bls_config(mbs)
-    return {"engines": engines, "name": names[0], "target": target, "policy": policy, "mbs": mbs,
-            "device": device, "tree": tree, "configs": configs}
+    return {
+        "engines": engines,
+        "name": names[0],
+        "target": target,
+        "policy": policy,
+        "mbs": mbs,
+        "device": device,
+        "tree": tree,
+        "configs": configs,
+    }
 
 
 def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source=None) -> dict:
     ours = VERSIONED + ("ensemble", DRAFT, BLS)
     if any((repo / m / "config.pbtxt").is_file() for m in ours):
         if not overwrite:
-            raise UserError(f"{repo} already holds a model repository; use add_version, or overwrite=True",
-                            file=str(repo))
+            raise UserError(
+                f"{repo} already holds a model repository; use add_version, or overwrite=True", file=str(repo)
+            )
         for m in ours:  # ours: the marker says so
             shutil.rmtree(repo / m, ignore_errors=True)
     for m in plan["configs"]:
@@ -808,19 +1103,36 @@ def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source
     for name, cfg in plan["configs"].items():
         final = repo / name / "config.pbtxt"
         renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
-    summary = {"target": plan["target"], "version_policy": plan["policy"], "max_batch_size": plan["mbs"],
-               "device": plan["device"], "tree": plan["tree"], "versions": written, "models": sorted(plan["configs"])}
+    summary = {
+        "target": plan["target"],
+        "version_policy": plan["policy"],
+        "max_batch_size": plan["mbs"],
+        "device": plan["device"],
+        "tree": plan["tree"],
+        "versions": written,
+        "models": sorted(plan["configs"]),
+    }
     renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
     fault_point("emit")
     _commit(repo, renames)
     return dict(summary, repo=str(repo))
 
 
-def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_dir: Union[str, Path], *,
-                    target: Optional[str] = None, version_policy=None, max_batch_size: Optional[int] = None,
-                    preprocessing_instances: int = 1, generator_instances: Optional[int] = None,
-                    device: str = "cpu", tree: Optional[dict] = None, link: bool = False,
-                    overwrite: bool = False, bls_source: Optional[Union[str, Path]] = None) -> dict:
+def emit_repository(
+    engine_dirs: Iterable[tuple[int, Union[str, Path]]],
+    repo_dir: Union[str, Path],
+    *,
+    target: Optional[str] = None,
+    version_policy=None,
+    max_batch_size: Optional[int] = None,
+    preprocessing_instances: int = 1,
+    generator_instances: Optional[int] = None,
+    device: str = "cpu",
+    tree: Optional[dict] = None,
+    link: bool = False,
+    overwrite: bool = False,
+    bls_source: Optional[Union[str, Path]] = None,
+) -> dict:
     """Write a complete repository holding the given engine versions (of one engine). Defaults come from the
     newest engine's recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
 
@@ -830,29 +1142,41 @@ def emit_repository(engine_dirs: Iterable[tuple[int, Union[str, Path]]], repo_di
     The directory must be new, empty or a repository bpcompile emitted for the same engine name. An existing
     repository is refused unless overwrite=True (use add_version to add to one)."""
     repo = Path(repo_dir)
-    plan = _prepare(engine_dirs, repo, target=target, version_policy=version_policy, max_batch_size=max_batch_size,
-                    preprocessing_instances=preprocessing_instances, generator_instances=generator_instances,
-                    device=device, tree=tree)
+    plan = _prepare(
+        engine_dirs,
+        repo,
+        target=target,
+        version_policy=version_policy,
+        max_batch_size=max_batch_size,
+        preprocessing_instances=preprocessing_instances,
+        generator_instances=generator_instances,
+        device=device,
+        tree=tree,
+    )
     with _locked(repo, plan["name"], [p for _, p in plan["engines"]]) as repaired:
         return dict(_emit_locked(repo, plan, link, overwrite, bls_source), repaired=repaired)
 
 
 def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool, bls_source=None) -> dict:
     if not (repo / GENERATOR / "config.pbtxt").is_file():
-        raise UserError(f"{repo} is not an emitted repository (no tensorrt_llm/config.pbtxt); run emit first",
-                        file=str(repo))
+        raise UserError(
+            f"{repo} is not an emitted repository (no tensorrt_llm/config.pbtxt); run emit first", file=str(repo)
+        )
     summary = _summary(repo)
     engine_target = _engine_config(engine_dir).target
     target = summary.get("target", "native")
     if engine_target != target:
-        raise UserError(f"engine {engine_dir} is for target {engine_target!r} but {repo} serves {target!r}",
-                        key="target")
+        raise UserError(
+            f"engine {engine_dir} is for target {engine_target!r} but {repo} serves {target!r}", key="target"
+        )
     renames, w = _stage_version(repo, version, engine_dir, target, link, bls_source)
     note = None
     old_tok = {v.get("tokenizer") for v in summary.get("versions", [])}
     if old_tok and w["tokenizer"] not in old_tok:
-        note = ("this version has a different tokenizer: load preprocessing, generator and postprocessing together "
-                "(unload the ensemble first) so no request mixes tokenizers")
+        note = (
+            "this version has a different tokenizer: load preprocessing, generator and postprocessing together "
+            "(unload the ensemble first) so no request mixes tokenizers"
+        )
     if target == "tensorrt-llm":  # the C++ backend takes its engine from a parameter, not a version dir
         for model, role in ((GENERATOR, "verifier"), (DRAFT, "draft")):
             final = repo / model / "config.pbtxt"
@@ -867,8 +1191,14 @@ def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool, bls_sour
     return {"repo": str(repo), "added": w, "versions": _versions(repo), "note": note}
 
 
-def add_version(repo_dir: Union[str, Path], version: int, engine_dir: Union[str, Path], *, link: bool = False,
-                bls_source: Optional[Union[str, Path]] = None) -> dict:
+def add_version(
+    repo_dir: Union[str, Path],
+    version: int,
+    engine_dir: Union[str, Path],
+    *,
+    link: bool = False,
+    bls_source: Optional[Union[str, Path]] = None,
+) -> dict:
     """Add one engine version to an emitted repository without touching what is being served (configs are
     unchanged; the server picks the version up on its next load of the models, or poll)."""
     repo, engine_dir = Path(repo_dir), Path(engine_dir)
@@ -887,8 +1217,11 @@ def set_version_policy(repo_dir: Union[str, Path], policy) -> dict:
             raise UserError("not an emitted repository (no tensorrt_llm/config.pbtxt)", file=str(repo))
         have = set(_versions(repo))
         if proto.HasField("specific") and not set(proto.specific.versions) <= have:
-            raise UserError(f"version_policy names versions {sorted(set(proto.specific.versions) - have)} that "
-                            f"{repo} does not have (it has {sorted(have)})", key="triton.version_policy")
+            raise UserError(
+                f"version_policy names versions {sorted(set(proto.specific.versions) - have)} that "
+                f"{repo} does not have (it has {sorted(have)})",
+                key="triton.version_policy",
+            )
         renames = []
         for m in VERSIONED:
             final = repo / m / "config.pbtxt"
@@ -899,8 +1232,9 @@ def set_version_policy(repo_dir: Union[str, Path], policy) -> dict:
             renames.append((_stage_text(final, text_format.MessageToString(cfg)), final))
         summary = _summary(repo)
         summary["version_policy"] = policy
-        renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"),
-                        repo / SUMMARY))
+        renames.append(
+            (_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY)
+        )
         _commit(repo, renames)
     return {"repo": str(repo), "version_policy": policy, "versions": sorted(have), "repaired": repaired}
 
@@ -913,8 +1247,17 @@ def publish_version(repo_dir: Union[str, Path], engine_dir: Union[str, Path], ve
     name = _engine_name(engine_dir)
     with _locked(repo, name, [engine_dir]) as repaired:
         if not (repo / GENERATOR / "config.pbtxt").is_file():
-            plan = _prepare([(version, engine_dir)], repo, target=None, version_policy=None, max_batch_size=None,
-                            preprocessing_instances=1, generator_instances=None, device="cpu", tree=None)
+            plan = _prepare(
+                [(version, engine_dir)],
+                repo,
+                target=None,
+                version_policy=None,
+                max_batch_size=None,
+                preprocessing_instances=1,
+                generator_instances=None,
+                device="cpu",
+                tree=None,
+            )
             out = _emit_locked(repo, plan, link=False, overwrite=True)
         elif _has_version(repo, version, _manifest(engine_dir).get("build_id")):
             out = {"repo": str(repo), "added": None, "versions": _versions(repo), "note": "already present"}

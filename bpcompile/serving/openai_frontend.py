@@ -9,6 +9,7 @@ sent as the ensemble's stop words (it stops on them) and cut from the text, as t
 Built on the standard library's ThreadingHTTPServer: three routes and SSE need no web framework, and the serving
 extra stays without one.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,18 @@ from bpcompile.serving.protocol import BadRequest, TextInterface
 
 MAX_STOPS = 4  # as the OpenAI API
 # sampling fields of the OpenAI API that this endpoint cannot honour: refused when set to anything but a no-op
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "n": (None, 1), "tools": (None, []), "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "n": (None, 1),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class ApiError(Exception):
@@ -45,8 +55,11 @@ class ApiError(Exception):
 def _newest_engine(repo_dir: Path) -> Path:
     """The engine of the newest tensorrt_llm (generator) version in a repository (what the ensemble's latest policy serves)."""
     gen = Path(repo_dir) / "tensorrt_llm"
-    versions = sorted((int(p.name) for p in gen.iterdir() if p.name.isdigit() and (p / "engine").is_dir()),
-                      reverse=True) if gen.is_dir() else []
+    versions = (
+        sorted((int(p.name) for p in gen.iterdir() if p.name.isdigit() and (p / "engine").is_dir()), reverse=True)
+        if gen.is_dir()
+        else []
+    )
     if not versions:
         raise UserError(f"{repo_dir}: no tensorrt_llm model versions (emit a repository first)", file=str(repo_dir))
     return gen / str(versions[0]) / "engine"
@@ -69,7 +82,7 @@ class _Stops:
             self.hit, end = True, cut
         else:
             end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
 
@@ -112,8 +125,10 @@ class OpenAIFrontend:
     # ---------------------------------------------------------------------------------------------- requests
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
-                                            "owned_by": "bpcompile"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_id, "object": "model", "created": self.created, "owned_by": "bpcompile"}],
+        }
 
     def chat_template(self, messages) -> str:
         if not isinstance(messages, list) or not messages:
@@ -124,8 +139,9 @@ class OpenAIFrontend:
                 raise ApiError(400, f"messages[{i}]: role must be system, developer, user or assistant", "messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
                     raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
@@ -148,8 +164,12 @@ class OpenAIFrontend:
     def params(self, body: dict, chat: bool, prompt_tokens: int) -> dict:
         """The generation parameters of a request, validated."""
         if body.get("model") != self.model_id:
-            raise ApiError(404, f"model {body.get('model')!r} is not served here; this endpoint serves "
-                                f"{self.model_id!r}", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {body.get('model')!r} is not served here; this endpoint serves {self.model_id!r}",
+                "model",
+                "model_not_found",
+            )
         for k, ok in UNSUPPORTED.items():
             if k in body and body[k] not in ok:
                 raise ApiError(400, f"{k} is not supported by this endpoint (leave it unset)", k)
@@ -158,18 +178,27 @@ class OpenAIFrontend:
             v = body.get(k, default)
             if v is None:
                 return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()) \
-                    or not lo <= v <= hi:
-                raise ApiError(400, f"{k} must be a{'n integer' if kind is int else ' number'} in [{lo}, {hi}], "
-                                    f"got {v!r}", k)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (kind is int and not float(v).is_integer())
+                or not lo <= v <= hi
+            ):
+                raise ApiError(
+                    400, f"{k} must be a{'n integer' if kind is int else ' number'} in [{lo}, {hi}], got {v!r}", k
+                )
             return kind(v)
 
         room = max(1, self.max_seq_len - prompt_tokens)
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = number(key, room if chat else 16, 1, 1 << 30, int)
         if max_tokens > room:
-            raise ApiError(400, f"{key}={max_tokens} with a {prompt_tokens}-token prompt exceeds the model's "
-                                f"context ({self.max_seq_len} tokens)", key)
+            raise ApiError(
+                400,
+                f"{key}={max_tokens} with a {prompt_tokens}-token prompt exceeds the model's "
+                f"context ({self.max_seq_len} tokens)",
+                key,
+            )
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else (stop or [])
         if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
@@ -180,9 +209,15 @@ class OpenAIFrontend:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise ApiError(400, "stream_options must be an object", "stream_options")
-        return {"max_tokens": max_tokens, "temperature": number("temperature", 1.0, 0, 2),
-                "top_p": number("top_p", 1.0, 1e-9, 1), "seed": seed, "stop": stop,
-                "stream": bool(body.get("stream", False)), "usage_in_stream": bool(so.get("include_usage"))}
+        return {
+            "max_tokens": max_tokens,
+            "temperature": number("temperature", 1.0, 0, 2),
+            "top_p": number("top_p", 1.0, 1e-9, 1),
+            "seed": seed,
+            "stop": stop,
+            "stream": bool(body.get("stream", False)),
+            "usage_in_stream": bool(so.get("include_usage")),
+        }
 
     def complete(self, body: dict, chat: bool, send: Callable[[dict], None]) -> Optional[dict]:
         """Run one request; with stream, send(chunk) per piece and return None; else return the response."""
@@ -193,8 +228,9 @@ class OpenAIFrontend:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if not isinstance(prompt, str) or not prompt:
-                raise ApiError(400, "prompt must be a non-empty string (token-id and batched prompts are not "
-                                    "supported)", "prompt")
+                raise ApiError(
+                    400, "prompt must be a non-empty string (token-id and batched prompts are not supported)", "prompt"
+                )
         try:  # the same size check (on bytes, before tokenizing) and tokenization as the preprocessing model
             prompt_tokens = len(self.text.prompt(np.array([prompt.encode("utf-8")], dtype=object)))
         except BadRequest as e:
@@ -207,25 +243,39 @@ class OpenAIFrontend:
 
         def chunk(text: Optional[str], finish: Optional[str], first: bool = False) -> dict:
             if chat:
-                delta = ({"role": "assistant", "content": ""} if first else {}) | (
-                    {"content": text} if text else {})
+                delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                    "model": self.model_id, "choices": [choice]}
+            return {
+                "id": rid,
+                "object": obj + ".chunk" if chat else obj,
+                "created": created,
+                "model": self.model_id,
+                "choices": [choice],
+            }
 
         if p["stream"] and chat:
             send(chunk(None, None, first=True))
+
         def on_text(piece: str) -> None:
             out = stops.feed(piece)
             if out:
                 send(chunk(out, None))
+
         try:
-            res = generate_remote(self.grpc_url, prompt, p["max_tokens"], stream=True, temperature=p["temperature"],
-                                  top_p=p["top_p"], seed=p["seed"], stop_words=p["stop"] or None,
-                                  on_text=on_text if p["stream"] else None,
-                                  timeout=self.timeout)
+            res = generate_remote(
+                self.grpc_url,
+                prompt,
+                p["max_tokens"],
+                stream=True,
+                temperature=p["temperature"],
+                top_p=p["top_p"],
+                seed=p["seed"],
+                stop_words=p["stop"] or None,
+                on_text=on_text if p["stream"] else None,
+                timeout=self.timeout,
+            )
         except RemoteError as e:
             raise ApiError(400, f"the server refused the request: {e}") from None
         except TimeoutError as e:
@@ -236,10 +286,13 @@ class OpenAIFrontend:
         text = res["text"] if not p["stream"] else None
         if text is not None:
             stops.feed(text, final=True)
-            text = stops.text[:stops.sent]
+            text = stops.text[: stops.sent]
         finish = "stop" if stops.hit or res.get("finish_reason") == "stop" else "length"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": res["tokens"],
-                 "total_tokens": prompt_tokens + res["tokens"]}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": res["tokens"],
+            "total_tokens": prompt_tokens + res["tokens"],
+        }
         fingerprint = f"{self.model_id}-v{res.get('engine_version')}"
         if p["stream"]:
             if tail:
@@ -248,13 +301,28 @@ class OpenAIFrontend:
             last["system_fingerprint"] = fingerprint
             send(last)
             if p["usage_in_stream"]:
-                send({"id": rid, "object": last["object"], "created": created, "model": self.model_id,
-                      "choices": [], "usage": usage})
+                send(
+                    {
+                        "id": rid,
+                        "object": last["object"],
+                        "created": created,
+                        "model": self.model_id,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
             return None
         choice = {"index": 0, "finish_reason": finish, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return {"id": rid, "object": obj, "created": created, "model": self.model_id,
-                "system_fingerprint": fingerprint, "choices": [choice], "usage": usage}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.model_id,
+            "system_fingerprint": fingerprint,
+            "choices": [choice],
+            "usage": usage,
+        }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -280,8 +348,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == f"/v1/models/{self.app.model_id}":
             return self._json(200, self.app.models()["data"][0])
         if path in ("/health", "/v1/health"):
-            return self._json(200 if self.app.accepting else 503, {"status": "ok" if self.app.accepting else
-                                                                   "shutting down"})
+            return self._json(
+                200 if self.app.accepting else 503, {"status": "ok" if self.app.accepting else "shutting down"}
+            )
         self._json(404, ApiError(404, f"no route GET {path}", kind="not_found").body())
 
     def do_POST(self) -> None:

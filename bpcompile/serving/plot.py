@@ -1,5 +1,6 @@
 """A PNG of a concurrency sweep (`bpcompile bench --concurrency 1,2,4,8 --plot FILE`): time to first token, time
 per output token and throughput against concurrency, p50 and p90. matplotlib is optional (the bench extra)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,10 @@ def plot_sweep(rows: list[dict], path: str | Path, title: str = "") -> Path:
     rows = sorted(rows, key=lambda r: r["concurrency"])
     x = [r["concurrency"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, key, label in ((axes[0], "ttft_s", "time to first token (ms)"),
-                           (axes[1], "tpot_s", "time per output token (ms)")):
+    for ax, key, label in (
+        (axes[0], "ttft_s", "time to first token (ms)"),
+        (axes[1], "tpot_s", "time per output token (ms)"),
+    ):
         for p, style in (("p50", "o-"), ("p90", "s--")):
             ys = [None if r[key][p] is None else r[key][p] * 1e3 for r in rows]
             ax.plot(x, ys, style, label=p)

@@ -19,12 +19,12 @@ vLLM's prefix/read-offset incremental detokenizer, with the state carried in the
 in the process. Order of delivery is a separate matter, handled in emit.py (one postprocessing instance)
 and visible to clients through RESPONSE_INDEX.
 """
-from __future__ import annotations
 
-import traceback
+from __future__ import annotations
 
 import json
 import math
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -60,12 +60,13 @@ def delta_text(decode, context_ids, read_offset: int, final: bool) -> str:
         full = full.rstrip(REPLACEMENT)
     # For byte-level decoders `full` extends `prefix`; a decoder that rewrites earlier text (none we ship)
     # gets vLLM's behaviour: whatever lies beyond the prefix's length.
-    return full[len(prefix):]
+    return full[len(prefix) :]
 
 
 # --- word lists (stop_words / bad_words) in TensorRT-LLM's [2, N] format ---------------------------------
 # row 0: the token ids of all words concatenated; row 1: the exclusive end offset of each word, padded with
 # -1. No words is [[0], [-1]], as tensorrtllm_backend's preprocessing writes it.
+
 
 def pack_words(words: list[list[int]]) -> np.ndarray:
     flat, offsets = [], []
@@ -130,8 +131,9 @@ def utf8(value, what: str) -> str:
 
 def byte_size(values) -> int:
     """Bytes of a STRING tensor's elements (what tokenizing it would have to read)."""
-    return sum(len(v) if isinstance(v, (bytes, str)) else len(str(v))
-               for v in np.asarray(values, dtype=object).reshape(-1))
+    return sum(
+        len(v) if isinstance(v, (bytes, str)) else len(str(v)) for v in np.asarray(values, dtype=object).reshape(-1)
+    )
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -142,8 +144,6 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
     if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
         raise BadRequest(f"top_p must be in [0, 1] (0 or 1 = off), got {top_p}")
-
-
 
 
 class TextInterface:
@@ -171,8 +171,10 @@ class TextInterface:
     def _fits(self, values, what: str) -> None:
         n = byte_size(values)
         if n > self.max_bytes:
-            raise BadRequest(f"{what} is {n} bytes, more than this engine can take ({self.max_bytes} bytes: "
-                             f"limits.max_input_len is {self.max_input_len} tokens); send a shorter one")
+            raise BadRequest(
+                f"{what} is {n} bytes, more than this engine can take ({self.max_bytes} bytes: "
+                f"limits.max_input_len is {self.max_input_len} tokens); send a shorter one"
+            )
 
     def prompt(self, values) -> list[int]:
         """The token ids of a text_input tensor (exactly one string)."""
@@ -221,8 +223,14 @@ def answer_each(pb_utils, requests, one, model: str) -> list:
             out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
         except Exception:
             pb_utils.Logger.log_error(f"{model} failed: {traceback.format_exc()}")
-            out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                f"{model} failed (an internal error; the server log has the details)", pb_utils.TritonError.INTERNAL)))
+            out.append(
+                pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(
+                        f"{model} failed (an internal error; the server log has the details)",
+                        pb_utils.TritonError.INTERNAL,
+                    )
+                )
+            )
     return out
 
 
@@ -230,21 +238,50 @@ def answer_each(pb_utils, requests, one, model: str) -> list:
 # them). The native runtime decodes one beam with tree speculation: each is honoured, ignored where it cannot
 # change a single-beam result, or refused per request, never an unknown-input error.
 OFF_VALUES = {  # refused unless one of these values (what the backend treats as "off")
-    "beam_width": (1,), "num_return_sequences": (1,),
+    "beam_width": (1,),
+    "num_return_sequences": (1,),
 }
-ABSENT_ONLY = ("decoder_text_input", "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size",
-               "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config",
-               "guided_decoding_guide_type", "guided_decoding_guide",
-               # the tensorrt_llm model's own: external drafts, encoder-decoder and multimodal inputs, top-p decay,
-               # disaggregated serving, KV retention, lookahead decoding
-               "draft_input_ids", "draft_logits", "draft_acceptance_threshold", "encoder_input_features",
-               "encoder_output_lengths", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
-               "runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids", "prompt_table_extra_ids",
-               "cross_attention_mask", "mrope_rotary_cos_sin", "mrope_position_deltas", "context_phase_params",
-               "skip_cross_attn_blocks", "retention_token_range_starts", "retention_token_range_ends",
-               "retention_token_range_priorities", "retention_token_range_durations_ms", "retention_decode_priority",
-               "retention_decode_duration_ms", "lookahead_window_size", "lookahead_ngram_size",
-               "lookahead_verification_set_size")
+ABSENT_ONLY = (
+    "decoder_text_input",
+    "prompt_embedding_table",
+    "prompt_table_extra_id",
+    "prompt_vocab_size",
+    "embedding_bias_words",
+    "embedding_bias_weights",
+    "lora_task_id",
+    "lora_weights",
+    "lora_config",
+    "guided_decoding_guide_type",
+    "guided_decoding_guide",
+    # the tensorrt_llm model's own: external drafts, encoder-decoder and multimodal inputs, top-p decay,
+    # disaggregated serving, KV retention, lookahead decoding
+    "draft_input_ids",
+    "draft_logits",
+    "draft_acceptance_threshold",
+    "encoder_input_features",
+    "encoder_output_lengths",
+    "decoder_input_ids",
+    "decoder_input_lengths",
+    "embedding_bias",
+    "runtime_top_p_min",
+    "runtime_top_p_decay",
+    "runtime_top_p_reset_ids",
+    "prompt_table_extra_ids",
+    "cross_attention_mask",
+    "mrope_rotary_cos_sin",
+    "mrope_position_deltas",
+    "context_phase_params",
+    "skip_cross_attn_blocks",
+    "retention_token_range_starts",
+    "retention_token_range_ends",
+    "retention_token_range_priorities",
+    "retention_token_range_durations_ms",
+    "retention_decode_priority",
+    "retention_decode_duration_ms",
+    "lookahead_window_size",
+    "lookahead_ngram_size",
+    "lookahead_verification_set_size",
+)
 # no padding in our outputs; the penalties, early stopping and diversity act on beam search only (one beam here)
 IGNORED = ("pad_id", "length_penalty", "len_penalty", "early_stopping", "beam_search_diversity_rate")
 
@@ -257,15 +294,24 @@ def backend_options(get, exclude_default: bool = True) -> bool:
         kind = type(ok[0])
         v = scalar(get, name, ok[0], kind)
         if v not in ok:
-            raise BadRequest(f"{name}={v} is not supported by bpcompile's runtime (one beam, tree speculation): "
-                             f"send {ok[0]} or leave it out")
+            raise BadRequest(
+                f"{name}={v} is not supported by bpcompile's runtime (one beam, tree speculation): "
+                f"send {ok[0]} or leave it out"
+            )
     for name in ABSENT_ONLY:
         a = get(name)
-        if a is not None and np.asarray(a).size and not all(
-                isinstance(x, (bytes, str)) and not x for x in np.asarray(a, dtype=object).reshape(-1)):
-            raise BadRequest(f"{name} is not supported by bpcompile's runtime (LoRA, prompt tables, embedding bias, "
-                             f"guided decoding and encoder-decoder models are not implemented): leave it out")
+        if (
+            a is not None
+            and np.asarray(a).size
+            and not all(isinstance(x, (bytes, str)) and not x for x in np.asarray(a, dtype=object).reshape(-1))
+        ):
+            raise BadRequest(
+                f"{name} is not supported by bpcompile's runtime (LoRA, prompt tables, embedding bias, "
+                f"guided decoding and encoder-decoder models are not implemented): leave it out"
+            )
     if scalar(get, "stop", False, bool):
-        raise BadRequest("stop=true (stopping a request by a second request) is not supported: cancel the request "
-                         "(the client's cancel, or closing its stream) instead")
+        raise BadRequest(
+            "stop=true (stopping a request by a second request) is not supported: cancel the request "
+            "(the client's cancel, or closing its stream) instead"
+        )
     return scalar(get, "exclude_input_in_output", exclude_default, bool)

@@ -10,6 +10,7 @@ on PATH. The stub embeds libpython and, like any embedded interpreter, finds its
 site-packages (torch, tokenizers, ...). PYTHONPATH adds the directory holding `bpcompile` so the models can
 import it from a source checkout.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,9 +59,21 @@ def _prepare_backends(dist: Path, run_dir: Path) -> Path:
     return dst
 
 
-def server_command(repo_dir, run_dir, *, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1",
-                   model_control="none", repository_token=None, load_models=("*",), log_verbose=0,
-                   exit_timeout=30, extra_args=()) -> tuple[list[str], dict]:
+def server_command(
+    repo_dir,
+    run_dir,
+    *,
+    http_port=8000,
+    grpc_port=8001,
+    metrics_port=8002,
+    host="127.0.0.1",
+    model_control="none",
+    repository_token=None,
+    load_models=("*",),
+    log_verbose=0,
+    exit_timeout=30,
+    extra_args=(),
+) -> tuple[list[str], dict]:
     """The tritonserver command line and environment. Nothing is started; run_dir (private to this run)
     receives the backends directory and is where the models look for the drain flag (drain.py).
 
@@ -69,38 +82,58 @@ def server_command(repo_dir, run_dir, *, http_port=8000, grpc_port=8001, metrics
     request can carry a model's files, so an open one runs any client's code in the server."""
     repo = Path(repo_dir).resolve()
     if not (repo / "ensemble" / "config.pbtxt").is_file():
-        raise UserError(f"{repo} is not a model repository emitted by bpcompile (no ensemble/config.pbtxt); "
-                        f"run `bpcompile emit` first", file=str(repo))
+        raise UserError(
+            f"{repo} is not a model repository emitted by bpcompile (no ensemble/config.pbtxt); "
+            f"run `bpcompile emit` first",
+            file=str(repo),
+        )
     if model_control not in ("none", "explicit", "poll"):
         raise UserError(f"model_control must be none, explicit or poll, got {model_control!r}")
     if model_control != "none" and not _TOKEN.fullmatch(repository_token or ""):
-        raise UserError(f"model control {model_control} needs a repository API token: at least 16 characters "
-                        f"among letters, digits and . _ ~ - (${TOKEN_ENV})", key="repository_token")
+        raise UserError(
+            f"model control {model_control} needs a repository API token: at least 16 characters "
+            f"among letters, digits and . _ ~ - (${TOKEN_ENV})",
+            key="repository_token",
+        )
     env = dict(os.environ)
     binary = shutil.which("tritonserver")
     args: list[str] = []
     if binary is None:
         dist = _pytriton_dist()
         if dist is None:
-            raise MissingDependency("tritonserver is not on PATH and nvidia-pytriton (which bundles it) is not "
-                                    "installed: pip install 'bpcompile[serve]', or use the NGC tritonserver container")
+            raise MissingDependency(
+                "tritonserver is not on PATH and nvidia-pytriton (which bundles it) is not "
+                "installed: pip install 'bpcompile[serve]', or use the NGC tritonserver container"
+            )
         binary = str(dist / "bin" / "tritonserver")
         libs = dist.parent.parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (env.get("LD_LIBRARY_PATH"), str(libs)) if p)
-        args += [f"--backend-directory={_prepare_backends(dist, Path(run_dir))}",
-                 f"--cache-directory={dist / 'caches'}"]
+        args += [
+            f"--backend-directory={_prepare_backends(dist, Path(run_dir))}",
+            f"--cache-directory={dist / 'caches'}",
+        ]
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     src = str(Path(__file__).resolve().parents[2])  # the directory holding the bpcompile package
     env["PYTHONPATH"] = ":".join(p for p in (src, env.get("PYTHONPATH")) if p)
     env[drain.ENV] = str(run_dir)
     env.pop(TOKEN_ENV, None)  # the models have no use for it
-    args += [f"--model-repository={repo}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
-             f"--metrics-port={metrics_port}", f"--http-address={host}", f"--grpc-address={host}",
-             f"--metrics-address={host}", f"--model-control-mode={model_control}", f"--log-verbose={log_verbose}",
-             f"--exit-timeout-secs={exit_timeout}"]
+    args += [
+        f"--model-repository={repo}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        f"--http-address={host}",
+        f"--grpc-address={host}",
+        f"--metrics-address={host}",
+        f"--model-control-mode={model_control}",
+        f"--log-verbose={log_verbose}",
+        f"--exit-timeout-secs={exit_timeout}",
+    ]
     if model_control != "none":
-        args += [f"--http-restricted-api=model-repository:{REPOSITORY_HEADER}={repository_token}",
-                 f"--grpc-restricted-protocol=model-repository:{REPOSITORY_HEADER}={repository_token}"]
+        args += [
+            f"--http-restricted-api=model-repository:{REPOSITORY_HEADER}={repository_token}",
+            f"--grpc-restricted-protocol=model-repository:{REPOSITORY_HEADER}={repository_token}",
+        ]
     if model_control == "explicit":
         args += [f"--load-model={m}" for m in load_models]
     if model_control == "poll":
@@ -110,9 +143,12 @@ def server_command(repo_dir, run_dir, *, http_port=8000, grpc_port=8001, metrics
     if world > 1:  # TensorRT-LLM engines over several GPUs: one tritonserver per rank under MPI
         mpirun = shutil.which("mpirun")
         if mpirun is None:
-            raise MissingDependency(f"{repo} serves TensorRT-LLM engines built for {world} ranks (tp x pp), which "
-                                    "tritonserver runs as one process per rank under MPI: mpirun is not on PATH "
-                                    "(serve inside TensorRT-LLM's Triton container)", key="target")
+            raise MissingDependency(
+                f"{repo} serves TensorRT-LLM engines built for {world} ranks (tp x pp), which "
+                "tritonserver runs as one process per rank under MPI: mpirun is not on PATH "
+                "(serve inside TensorRT-LLM's Triton container)",
+                key="target",
+            )
         cmd = mpi_command(cmd, world, engines, mpirun)
     return cmd, env
 
@@ -140,14 +176,29 @@ def mpi_command(cmd: list[str], world: int, trtllm_models: list[str], mpirun: st
     """tritonserver once per rank under one mpirun, as tensorrtllm_backend launches a multi-GPU engine: rank 0 is
     the server clients talk to; ranks 1.. load only the TensorRT-LLM models (explicit model control), whose
     backend joins them to rank 0's executor. Each rank's Python backend gets its own shared-memory prefix."""
-    drop = ("--model-control-mode=", "--load-model=", "--repository-poll-secs=", "--http-restricted-api=",
-            "--grpc-restricted-protocol=")
+    drop = (
+        "--model-control-mode=",
+        "--load-model=",
+        "--repository-poll-secs=",
+        "--http-restricted-api=",
+        "--grpc-restricted-protocol=",
+    )
     out = [mpirun, "--allow-run-as-root"]
     for rank in range(world):
-        args = cmd if rank == 0 else [a for a in cmd if not a.startswith(drop)] + \
-            ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in trtllm_models]
-        out += ["-n", "1", *args, "--disable-auto-complete-config",
-                f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        args = (
+            cmd
+            if rank == 0
+            else [a for a in cmd if not a.startswith(drop)]
+            + ["--model-control-mode=explicit"]
+            + [f"--load-model={m}" for m in trtllm_models]
+        )
+        out += [
+            "-n",
+            "1",
+            *args,
+            "--disable-auto-complete-config",
+            f"--backend-config=python,shm-region-prefix-name=prefix{rank}_",
+        ]
         if rank < world - 1:
             out.append(":")
     return out
@@ -176,9 +227,22 @@ class ServerProcess:
     With model control explicit or poll, `repository_token` (generated when not given) is what the
     repository API asks for (see server_command)."""
 
-    def __init__(self, repo_dir, *, http_port=None, grpc_port=None, metrics_port=None, host="127.0.0.1",
-                 model_control="none", repository_token=None, load_models=("*",), log_file=None,
-                 startup_timeout=300.0, log_verbose=0, exit_timeout=30):
+    def __init__(
+        self,
+        repo_dir,
+        *,
+        http_port=None,
+        grpc_port=None,
+        metrics_port=None,
+        host="127.0.0.1",
+        model_control="none",
+        repository_token=None,
+        load_models=("*",),
+        log_file=None,
+        startup_timeout=300.0,
+        log_verbose=0,
+        exit_timeout=30,
+    ):
         self.repo_dir, self.host, self.model_control = repo_dir, host, model_control
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -204,22 +268,40 @@ class ServerProcess:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def endpoints(self) -> dict:
-        return {"http": f"http://{self.http_url}", "grpc": self.grpc_url, "metrics": self.metrics_url,
-                "log": str(self.log_file)}
+        return {
+            "http": f"http://{self.http_url}",
+            "grpc": self.grpc_url,
+            "metrics": self.metrics_url,
+            "log": str(self.log_file),
+        }
 
     def start(self) -> "ServerProcess":
         self.run_dir = Path(tempfile.mkdtemp(prefix="bpcompile-serve-"))
         try:
             self.cmd, env = server_command(
-                self.repo_dir, self.run_dir, http_port=self.http_port, grpc_port=self.grpc_port,
-                metrics_port=self.metrics_port, host=self.host, model_control=self.model_control,
-                repository_token=self.repository_token, load_models=self.load_models,
-                log_verbose=self.log_verbose, exit_timeout=self.exit_timeout)
+                self.repo_dir,
+                self.run_dir,
+                http_port=self.http_port,
+                grpc_port=self.grpc_port,
+                metrics_port=self.metrics_port,
+                host=self.host,
+                model_control=self.model_control,
+                repository_token=self.repository_token,
+                load_models=self.load_models,
+                log_verbose=self.log_verbose,
+                exit_timeout=self.exit_timeout,
+            )
             with open(self.log_file, "ab") as log:
                 # own process group: a terminal's Ctrl-C reaches only us, and we stop the server deliberately
                 # the repository is the working directory: TensorRT-LLM engine paths in it are relative to it
-                self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, cwd=str(Path(self.repo_dir).resolve()))
+                self.proc = subprocess.Popen(
+                    self.cmd,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=str(Path(self.repo_dir).resolve()),
+                )
             self.wait_ready()
         except BaseException:
             self.stop(drain_timeout=0)
@@ -237,10 +319,10 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited ({describe_exit(self.proc.returncode)}); "
-                                   f"log:\n{self.log_tail()}")
-            if self._get("/v2/health/live") == 200 and all(
-                    self._get(f"/v2/models/{m}/ready") == 200 for m in models):
+                raise RuntimeError(
+                    f"tritonserver exited ({describe_exit(self.proc.returncode)}); log:\n{self.log_tail()}"
+                )
+            if self._get("/v2/health/live") == 200 and all(self._get(f"/v2/models/{m}/ready") == 200 for m in models):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver not ready after {self.startup_timeout:.0f}s; log:\n{self.log_tail()}")
@@ -290,8 +372,19 @@ class ServerProcess:
         self.stop()
 
 
-def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1", model_control="none",
-          repository_token=None, drain_timeout=30.0, log=print, log_file=None, openai_port=None) -> int:
+def serve(
+    repo_dir,
+    http_port=8000,
+    grpc_port=8001,
+    metrics_port=8002,
+    host="127.0.0.1",
+    model_control="none",
+    repository_token=None,
+    drain_timeout=30.0,
+    log=print,
+    log_file=None,
+    openai_port=None,
+) -> int:
     """Start tritonserver, wait until the ensemble is ready, print the endpoints, and block until SIGINT or
     SIGTERM; then drain and stop it (a second signal skips what is left of the drain). openai_port: also serve
     the OpenAI-compatible endpoint there (serving/openai_frontend.py), in this process.
@@ -305,12 +398,22 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
     if (Path(repo_dir) / emit.MARKER).is_file():
         for line in emit.repair_repository(repo_dir):
             log(f"repaired repository: {line}")
-    s = ServerProcess(repo_dir, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
-                      model_control=model_control, repository_token=repository_token, log_file=log_file)
+    s = ServerProcess(
+        repo_dir,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        host=host,
+        model_control=model_control,
+        repository_token=repository_token,
+        log_file=log_file,
+    )
     signals = []
     frontend = None
-    old = {sig: signal.signal(sig, lambda signum, _frame: signals.append(signum))
-           for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {
+        sig: signal.signal(sig, lambda signum, _frame: signals.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         log(f"starting tritonserver (log: {s.log_file})")
         s.start()
@@ -326,8 +429,10 @@ def serve(repo_dir, http_port=8000, grpc_port=8001, metrics_port=8002, host="127
             log(f"{k:8s} {v}")
         if model_control != "none":
             shown = f"${TOKEN_ENV}" if repository_token else s.repository_token
-            log(f"repository API: only with header {REPOSITORY_HEADER}: {shown} "
-                f"(gRPC metadata {GRPC_REPOSITORY_HEADER})")
+            log(
+                f"repository API: only with header {REPOSITORY_HEADER}: {shown} "
+                f"(gRPC metadata {GRPC_REPOSITORY_HEADER})"
+            )
         while not signals and s.proc.poll() is None:
             time.sleep(0.2)
         if not signals:

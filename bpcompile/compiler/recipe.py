@@ -4,6 +4,7 @@ Every problem is reported as a `UserError` naming the file, the line, the key an
 `load_recipe` collects all of them (a user fixing a recipe wants the whole list, not one per run).
 Paths in a recipe are relative to the recipe file's directory.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ class Models(_Strict):
 
 
 class Calibration(_Strict):
-    source: str = Field("builtin:pydoc-topics", description="'builtin:pydoc-topics' (the tiny pair's training split) or a text file")
+    source: str = Field(
+        "builtin:pydoc-topics", description="'builtin:pydoc-topics' (the tiny pair's training split) or a text file"
+    )
     samples: int = Field(16, ge=1)
     length: int = Field(128, ge=8)
 
@@ -73,6 +76,7 @@ class LoadedRecipe(BaseModel):
 
 
 # --- locating problems in the YAML source ------------------------------------------------------
+
 
 def _line_index(text: str) -> dict[tuple, int]:
     """Map key paths (tuples of keys / list indices) to 1-based line numbers using yaml's node marks."""
@@ -133,8 +137,12 @@ class _NoAliasLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             ev = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, f"YAML aliases (*{ev.anchor}) are not allowed in a "
-                                              "recipe; write the value out", ev.start_mark)
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"YAML aliases (*{ev.anchor}) are not allowed in a recipe; write the value out",
+                ev.start_mark,
+            )
         return super().compose_node(parent, index)
 
 
@@ -142,8 +150,9 @@ def parse_recipe(path: str | Path) -> tuple[Recipe, dict[tuple, int]]:
     """Read and validate the YAML (types only; no filesystem checks). Raises UserError listing every problem."""
     path = Path(path)
     if not path.is_file():
-        raise UserError("recipe file not found" if not path.exists() else "recipe is not a regular file",
-                        file=str(path))
+        raise UserError(
+            "recipe file not found" if not path.exists() else "recipe is not a regular file", file=str(path)
+        )
     with open(path, "rb") as f:
         raw = f.read(MAX_RECIPE_BYTES + 1)
     if len(raw) > MAX_RECIPE_BYTES:
@@ -157,8 +166,9 @@ def parse_recipe(path: str | Path) -> tuple[Recipe, dict[tuple, int]]:
         raise UserError("not valid YAML: nested too deeply", file=str(path)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        raise UserError(f"not valid YAML: {getattr(e, 'problem', e)}", file=str(path),
-                        line=mark.line + 1 if mark else None) from None
+        raise UserError(
+            f"not valid YAML: {getattr(e, 'problem', e)}", file=str(path), line=mark.line + 1 if mark else None
+        ) from None
     if not isinstance(data, dict):
         raise UserError("a recipe is a YAML mapping with at least 'name' and 'models'", file=str(path))
     lines = _line_index(text)
@@ -193,9 +203,12 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         return (base / p).resolve() if not Path(p).is_absolute() else Path(p)
 
     loaded = LoadedRecipe(
-        recipe=recipe, file=path,
-        verifier_dir=res(recipe.models.verifier.path), draft_dir=res(recipe.models.draft.path),
-        store_dir=res(recipe.output.store), triton_repo_dir=res(recipe.output.triton_repo),
+        recipe=recipe,
+        file=path,
+        verifier_dir=res(recipe.models.verifier.path),
+        draft_dir=res(recipe.models.draft.path),
+        store_dir=res(recipe.output.store),
+        triton_repo_dir=res(recipe.output.triton_repo),
     )
     src = recipe.calibration.source
     if not src.startswith("builtin:"):
@@ -212,36 +225,54 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
     kvc = recipe.kv_cache
     if (kvc.sink_tokens or kvc.recent_window) and not recipe.exact_entries_readable:
         key = "recent_window" if kvc.recent_window else "sink_tokens"
-        problem(("kv_cache", key), "exact FP16 entries (sink_tokens, recent_window) are read by the native target's "
-                "torch executor only, on a quantized format (not by the ONNX graphs, the TensorRT plugin or "
-                "TensorRT-LLM); set them to 0 or leave them auto")
+        problem(
+            ("kv_cache", key),
+            "exact FP16 entries (sink_tokens, recent_window) are read by the native target's "
+            "torch executor only, on a quantized format (not by the ONNX graphs, the TensorRT plugin or "
+            "TensorRT-LLM); set them to 0 or leave them auto",
+        )
     if (kvc.int6_keys == "early" or kvc.int3_values) and not recipe.exact_entries_readable:
         key = "int6_keys" if kvc.int6_keys == "early" else "int3_values"
-        problem(("kv_cache", key), "INT6 keys and INT3 values are read by the native target's torch executor only "
-                "(not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); set int6_keys: none and "
-                "int3_values: 0, or leave them auto")
+        problem(
+            ("kv_cache", key),
+            "INT6 keys and INT3 values are read by the native target's torch executor only "
+            "(not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); set int6_keys: none and "
+            "int3_values: 0, or leave them auto",
+        )
     if kvc.key_transform == "klt" and not recipe.exact_entries_readable:
-        problem(("kv_cache", "key_transform"), "KLT keys (stored before RoPE in a calibrated basis) are read by the "
-                "native target's torch executor only (not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); "
-                "set key_transform: none, or leave it auto")
+        problem(
+            ("kv_cache", "key_transform"),
+            "KLT keys (stored before RoPE in a calibrated basis) are read by the "
+            "native target's torch executor only (not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); "
+            "set key_transform: none, or leave it auto",
+        )
     if recipe.target == "tensorrt-llm":  # what TensorRT-LLM 1.2's executor can hold, refused before any work
         kv = recipe.kv_cache.format
         if kv == "int4-fp8-outlier":
-            problem(("kv_cache", "format"), "TensorRT-LLM 1.2's executor allocates one dtype per KV pool and cannot "
-                    "hold the mixed INT4/FP8 cache: use target: native (or tensorrt) for it, or kv_cache.format: "
-                    "fp8, int8 or fp16 with this target")
+            problem(
+                ("kv_cache", "format"),
+                "TensorRT-LLM 1.2's executor allocates one dtype per KV pool and cannot "
+                "hold the mixed INT4/FP8 cache: use target: native (or tensorrt) for it, or kv_cache.format: "
+                "fp8, int8 or fp16 with this target",
+            )
         if recipe.speculative.tree in ("dynamic", "static"):
-            problem(("speculative", "tree"), "TensorRT-LLM's draft_tokens_external verifies a chain of draft tokens, "
-                    "not a tree: use speculative: {tree: chain, length: N} (or none) with this target, or target: "
-                    "native for trees")
+            problem(
+                ("speculative", "tree"),
+                "TensorRT-LLM's draft_tokens_external verifies a chain of draft tokens, "
+                "not a tree: use speculative: {tree: chain, length: N} (or none) with this target, or target: "
+                "native for trees",
+            )
 
     if src.startswith("builtin:") and src != "builtin:pydoc-topics":
-        problem(("calibration", "source"), f"unknown builtin source {src!r}; expected 'builtin:pydoc-topics' or a text file path")
+        problem(
+            ("calibration", "source"),
+            f"unknown builtin source {src!r}; expected 'builtin:pydoc-topics' or a text file path",
+        )
     elif loaded.calibration_file and not loaded.calibration_file.is_file():
         problem(("calibration", "source"), f"calibration text file not found: {loaded.calibration_file}")
 
-    from bpcompile.build import hf
-    from bpcompile.build.hf import INPUT_GLOBS
+    from bpcompile.compiler import hf
+    from bpcompile.compiler.hf import INPUT_GLOBS
 
     configs = {}
     tokenizers_ok = True
@@ -251,9 +282,12 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         if role == "draft" and feature_draft:  # no tokenizer of its own: it reads the verifier's features
             where = ("models", "draft", "path")
             if recipe.target != "native" or recipe.runtime.wants_onnx or recipe.parallel.tp != 1:
-                problem(where, "a feature draft (FeatureDraft) runs on the native target's torch executor at tp 1 "
-                        "only (not in the ONNX graphs, TensorRT or TensorRT-LLM): use a standalone draft "
-                        "checkpoint for this recipe")
+                problem(
+                    where,
+                    "a feature draft (FeatureDraft) runs on the native target's torch executor at tp 1 "
+                    "only (not in the ONNX graphs, TensorRT or TensorRT-LLM): use a standalone draft "
+                    "checkpoint for this recipe",
+                )
             if "verifier" in configs:
                 try:
                     configs[role] = hf.read_feature_draft(d, configs["verifier"])
@@ -296,21 +330,25 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         if "draft" in configs and tokenizers_ok and not feature_draft:
             ok, why = hf.tokenizers_equal(loaded.verifier_dir, loaded.draft_dir)
             if not ok:
-                problem(("models", "draft", "path"),
-                        f"the draft's tokenizer differs from the verifier's ({why}); speculation needs the same vocabulary")
+                problem(
+                    ("models", "draft", "path"),
+                    f"the draft's tokenizer differs from the verifier's ({why}); speculation needs the same vocabulary",
+                )
         ctx = context_length(cfg)
         if recipe.limits.max_seq_len > ctx:
             problem(("limits", "max_seq_len"), f"{recipe.limits.max_seq_len} exceeds the verifier's context ({ctx})")
         if recipe.target == "native":
-            from bpcompile.build.plan import kv_pool_bytes
+            from bpcompile.compiler.plan import kv_pool_bytes
 
             need, have = kv_pool_bytes(recipe, cfg, configs.get("draft")), physical_memory()
             if have and need > have:
-                problem(("limits", "max_batch_size"),
-                        f"the native runtime's KV cache for max_batch_size={recipe.limits.max_batch_size} x "
-                        f"max_seq_len={recipe.limits.max_seq_len} would take {need / 1e9:.1f} GB, more than this "
-                        f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len, or set "
-                        f"BPCOMPILE_KV_MEMORY_LIMIT to the serving machine's memory in bytes (0: no check)")
+                problem(
+                    ("limits", "max_batch_size"),
+                    f"the native runtime's KV cache for max_batch_size={recipe.limits.max_batch_size} x "
+                    f"max_seq_len={recipe.limits.max_seq_len} would take {need / 1e9:.1f} GB, more than this "
+                    f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len, or set "
+                    f"BPCOMPILE_KV_MEMORY_LIMIT to the serving machine's memory in bytes (0: no check)",
+                )
 
     if problems:
         problems.sort(key=lambda p: p[0] or 0)

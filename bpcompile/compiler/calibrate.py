@@ -32,11 +32,12 @@ KLT keys (`key_transform: klt`, opt-in): the keys of the first two thirds of the
 coefficients of a per-unit basis fit here (`fit_klt`), each coefficient with the bits its variance is worth.
 Format: docs/KV_FORMAT.md.
 """
+
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import replace, dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -104,27 +105,39 @@ class KVCalibConfig:
         if cfg.key_transform == "auto":
             cfg.key_transform = "none"
         if cfg.key_transform not in ("klt", "none"):
-            raise UserError(f"key_transform must be klt or none, got {cfg.key_transform!r}",
-                            key="kv_cache.key_transform")
-        if isinstance(cfg.int3_values, bool) or not isinstance(cfg.int3_values, (int, float)) \
-                or not 0.0 <= cfg.int3_values <= 1.0:
-            raise UserError(f"int3_values must be a share in [0, 1], got {cfg.int3_values!r}",
-                            key="kv_cache.int3_values")
+            raise UserError(
+                f"key_transform must be klt or none, got {cfg.key_transform!r}", key="kv_cache.key_transform"
+            )
+        if (
+            isinstance(cfg.int3_values, bool)
+            or not isinstance(cfg.int3_values, (int, float))
+            or not 0.0 <= cfg.int3_values <= 1.0
+        ):
+            raise UserError(
+                f"int3_values must be a share in [0, 1], got {cfg.int3_values!r}", key="kv_cache.int3_values"
+            )
         if not 0.0 <= cfg.retrieval_fraction <= 0.5:  # keys are half the units
-            raise UserError(f"retrieval_fraction must be in [0, 0.5], got {cfg.retrieval_fraction}",
-                            key="kv_cache.retrieval_fraction")
+            raise UserError(
+                f"retrieval_fraction must be in [0, 0.5], got {cfg.retrieval_fraction}",
+                key="kv_cache.retrieval_fraction",
+            )
         if cfg.format not in RECIPE_FORMATS:
-            raise UserError(f"unknown format {cfg.format!r}; expected one of {sorted(RECIPE_FORMATS)}",
-                            key="kv_cache.format")
+            raise UserError(
+                f"unknown format {cfg.format!r}; expected one of {sorted(RECIPE_FORMATS)}", key="kv_cache.format"
+            )
         if not 0.0 <= cfg.outlier_fraction <= 1.0:
-            raise UserError(f"outlier_fraction must be in [0, 1], got {cfg.outlier_fraction}",
-                            key="kv_cache.outlier_fraction")
+            raise UserError(
+                f"outlier_fraction must be in [0, 1], got {cfg.outlier_fraction}", key="kv_cache.outlier_fraction"
+            )
         if cfg.rotation not in ROTATIONS + ("auto",):
-            raise UserError(f"unknown rotation {cfg.rotation!r}; expected one of {', '.join(ROTATIONS)}",
-                            key="kv_cache.rotation")
+            raise UserError(
+                f"unknown rotation {cfg.rotation!r}; expected one of {', '.join(ROTATIONS)}", key="kv_cache.rotation"
+            )
         if cfg.outlier_precision not in ("int8", "fp8"):
-            raise UserError(f"outlier_precision must be int8 or fp8, got {cfg.outlier_precision!r}",
-                            key="kv_cache.outlier_precision")
+            raise UserError(
+                f"outlier_precision must be int8 or fp8, got {cfg.outlier_precision!r}",
+                key="kv_cache.outlier_precision",
+            )
         if not cfg.clip_ratios or not all(0 < r <= 1 for r in cfg.clip_ratios):
             raise UserError(f"clip_ratios must be in (0, 1], got {list(cfg.clip_ratios)}", key="kv_cache.clip_ratios")
         return cfg
@@ -166,12 +179,15 @@ def capture_qkv(verifier: Llama, samples: list[list[int]], batch: int = 8):
     64 x 512 samples would be ~107 GB)."""
     lens = {len(s) for s in samples}
     if len(lens) != 1 or min(lens) < 2:
-        raise UserError(f"calibration samples must be non-empty and of one length >= 2, got lengths {sorted(lens)}",
-                        key="calibration.length")
+        raise UserError(
+            f"calibration samples must be non-empty and of one length >= 2, got lengths {sorted(lens)}",
+            key="calibration.length",
+        )
     dev, T = verifier.device, len(samples[0])
     with torch.inference_mode():
-        batches = [torch.tensor(samples[i:i + batch], dtype=torch.long, device=dev)
-                   for i in range(0, len(samples), batch)]
+        batches = [
+            torch.tensor(samples[i : i + batch], dtype=torch.long, device=dev) for i in range(0, len(samples), batch)
+        ]
         ropes = [verifier.rope(torch.arange(T, device=dev).expand(len(b), T)) for b in batches]
         hidden = [F.embedding(b, verifier.embed) for b in batches]
         for layer, blk in enumerate(verifier.layers):
@@ -185,7 +201,9 @@ def capture_qkv(verifier: Llama, samples: list[list[int]], batch: int = 8):
             yield (layer, *(torch.cat(x, 0) for x in zip(*parts)))
 
 
-def kv_loss_grad_sq(verifier: Llama, samples: list[list[int]], batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_loss_grad_sq(
+    verifier: Llama, samples: list[list[int]], batch: int = 4
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (g_k^2, g_v^2), each [N, T, KV, D] float32 on the CPU: the squared gradient of the samples'
     summed next-token loss with respect to the layer's post-RoPE K and V (the diagonal of the empirical Fisher).
     One forward and backward pass per `batch` samples; activations of every layer are held for the backward,
@@ -193,7 +211,7 @@ def kv_loss_grad_sq(verifier: Llama, samples: list[list[int]], batch: int = 4) -
     c, dev = verifier.cfg, verifier.device
     out: list[list[list[torch.Tensor]]] = [[[], []] for _ in range(c.num_layers)]
     for i in range(0, len(samples), batch):
-        b = torch.tensor(samples[i:i + batch], dtype=torch.long, device=dev)
+        b = torch.tensor(samples[i : i + batch], dtype=torch.long, device=dev)
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attend(_, q, k, v):
@@ -207,7 +225,7 @@ def kv_loss_grad_sq(verifier: Llama, samples: list[list[int]], batch: int = 4) -
             h = F.embedding(b, verifier.embed).requires_grad_(True)
             for layer, blk in enumerate(verifier.layers):
                 h = blk(h, cos, sin, layer, attend)
-            logits = verifier.head(rms_norm(h, verifier.norm, c.norm_eps))[..., :c.vocab_size].float()
+            logits = verifier.head(rms_norm(h, verifier.norm, c.norm_eps))[..., : c.vocab_size].float()
             F.cross_entropy(logits[:, :-1].flatten(0, 1), b[:, 1:].flatten(), reduction="sum").backward()
         for layer, (k, v) in enumerate(kv):
             out[layer][0].append(k.grad.float().pow(2).cpu())
@@ -248,7 +266,7 @@ def key_channel_scale(k: torch.Tensor, alpha: float) -> torch.Tensor:
     """
     d = k.shape[-1]
     amax = k.abs().reshape(-1, d).amax(0).double()
-    m = torch.maximum(amax[: d // 2], amax[d // 2:]).clamp(min=1e-6)
+    m = torch.maximum(amax[: d // 2], amax[d // 2 :]).clamp(min=1e-6)
     c = torch.cat((m, m)) ** alpha
     return (c / torch.exp(torch.log(c).mean())).float()
 
@@ -283,11 +301,11 @@ class _LayerProbe:
     def error(self, head: int, k_new=None, v_new=None) -> float:
         """Relative error of the layer output with KV head `head`'s K or V replaced."""
         g = slice(head * self.rep, (head + 1) * self.rep)
-        k = self.k[:, :, head:head + 1] if k_new is None else k_new[:, :, None]
-        v = self.v[:, :, head:head + 1] if v_new is None else v_new[:, :, None]
+        k = self.k[:, :, head : head + 1] if k_new is None else k_new[:, :, None]
+        v = self.v[:, :, head : head + 1] if v_new is None else v_new[:, :, None]
         o = causal_attend(self.q[:, :, g], k, v)
         d = (o - self.o[:, :, g]).reshape(*o.shape[:2], -1)
-        w = self.w[:, head * self.rep * self.D:(head + 1) * self.rep * self.D]
+        w = self.w[:, head * self.rep * self.D : (head + 1) * self.rep * self.D]
         return (d @ w.T).double().norm().item() / max(self.ref_norm, 1e-30)
 
 
@@ -300,8 +318,9 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
         cfg = replace(cfg, rotation="hadamard" if pow2 else "none")
     rotate = cfg.rotation == "hadamard"
     if rotate and not pow2:
-        raise UserError(f"rotation: hadamard needs a power-of-two head size, the model has {c.head_size}",
-                        key="kv_cache.rotation")
+        raise UserError(
+            f"rotation: hadamard needs a power-of-two head size, the model has {c.head_size}", key="kv_cache.rotation"
+        )
     center = rotate and cfg.key_centering
     rep = c.num_heads // c.num_kv_heads
     units = []  # in global unit id order: (layer * 2 + kv) * KV + head
@@ -324,11 +343,13 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
                     if not alpha:
                         return None
                     if rotate:
-                        return query_aware_key_scale(q[:, :, h * rep:(h + 1) * rep], x - (mean if mean is not None else 0), alpha)
+                        return query_aware_key_scale(
+                            q[:, :, h * rep : (h + 1) * rep], x - (mean if mean is not None else 0), alpha
+                        )
                     return key_channel_scale(x, alpha)
 
                 best = None  # (error, alpha, clip): first minimum in grid order wins
-                for alpha in (cfg.key_scale_alphas if kv == 0 else (0.0,)):
+                for alpha in cfg.key_scale_alphas if kv == 0 else (0.0,):
                     cs = scale(alpha)
                     for clip in cfg.clip_ratios:
                         e = put(fake_quantize(x, "int4", G, cs, clip, mean, rotate))
@@ -342,17 +363,44 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
                 # the outlier precision keeps the unit's mean, scale and rotation (without a rotation FP8 has
                 # per-element exponents: channel scaling buys nothing, and its units get c = 1)
                 out_cs = cs if rotate else None
-                units.append({"layer": layer, "kind": name, "head": h, "int4_error": best[0], "fisher_error": fisher,
-                              "outlier_error": put(fake_quantize(x, cfg.outlier, G, out_cs, 1.0, mean, rotate)),
-                              "naive_int4_error": naive, "key_scale_alpha": best[1], "clip": best[2]})
-    return {"units": units, "k_channel_scale": kcs, "group_size": cfg.group_size, "rotation": cfg.rotation,
-            "k_mean": k_mean, "outlier_precision": cfg.outlier}
+                units.append(
+                    {
+                        "layer": layer,
+                        "kind": name,
+                        "head": h,
+                        "int4_error": best[0],
+                        "fisher_error": fisher,
+                        "outlier_error": put(fake_quantize(x, cfg.outlier, G, out_cs, 1.0, mean, rotate)),
+                        "naive_int4_error": naive,
+                        "key_scale_alpha": best[1],
+                        "clip": best[2],
+                    }
+                )
+    return {
+        "units": units,
+        "k_channel_scale": kcs,
+        "group_size": cfg.group_size,
+        "rotation": cfg.rotation,
+        "k_mean": k_mean,
+        "outlier_precision": cfg.outlier,
+    }
 
 
-def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-fp8-outlier", sink_tokens: int = 0,
-                          recent_window: int = 0, seq_len: int = 2048, lookahead: int = 6,
-                          retrieval: Optional[torch.Tensor] = None, retrieval_fraction: float = 0.0,
-                          int5_keys: str = "none", int6_keys: str = "none", int3_values: float = 0.0):
+def plan_from_measurement(
+    m: dict,
+    model_cfg,
+    fraction: float,
+    fmt: str = "int4-fp8-outlier",
+    sink_tokens: int = 0,
+    recent_window: int = 0,
+    seq_len: int = 2048,
+    lookahead: int = 6,
+    retrieval: Optional[torch.Tensor] = None,
+    retrieval_fraction: float = 0.0,
+    int5_keys: str = "none",
+    int6_keys: str = "none",
+    int3_values: float = 0.0,
+):
     """KVPlan + per-layer report for one outlier fraction from `measure_units` output. int5_keys / int6_keys: the
     keys of int5_key_layers(int5_keys) are stored in INT5 and those of int6_key_layers(int6_keys) in INT6, first.
     retrieval: [L, KV] scores (retrieval_scores); the keys of the round(retrieval_fraction * units) highest of the
@@ -360,13 +408,25 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
     those of the INT5 keys' layers last, and the outlier units are chosen among the rest."""
     c = model_cfg
     units = m["units"]
-    band = {u: p for p, layers in (("int5", int5_key_layers(int5_keys, c.num_layers)),
-                                   ("int6", int6_key_layers(int6_keys, c.num_layers)))
-            for u, r in enumerate(units) if r["kind"] == "k" and r["layer"] in layers}  # unit -> its key precision
+    band = {
+        u: p
+        for p, layers in (
+            ("int5", int5_key_layers(int5_keys, c.num_layers)),
+            ("int6", int6_key_layers(int6_keys, c.num_layers)),
+        )
+        for u, r in enumerate(units)
+        if r["kind"] == "k" and r["layer"] in layers
+    }  # unit -> its key precision
     int5 = {u for u, p in band.items() if p == "int5"}
     n_ret = n_outlier_units(retrieval_fraction, len(units)) if retrieval is not None else 0
-    by_score = sorted((u for u, r in enumerate(units) if r["kind"] == "k" and u not in band),
-                      key=lambda u: (-float(retrieval[units[u]["layer"], units[u]["head"]]), u)) if n_ret else []
+    by_score = (
+        sorted(
+            (u for u, r in enumerate(units) if r["kind"] == "k" and u not in band),
+            key=lambda u: (-float(retrieval[units[u]["layer"], units[u]["head"]]), u),
+        )
+        if n_ret
+        else []
+    )
     ret = set(by_score[:n_ret])
     # plans measured before the loss-based selection have no fisher_error: they keep the layer-output order
     key = "fisher_error" if all("fisher_error" in u for u in units) else "int4_error"
@@ -374,8 +434,11 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
     # The values of the layers whose keys are INT5 go to INT3 last: on SmolLM2 INT3 values there made the model
     # retrieve from 4k tokens back what it does not with FP16 KV (the layers where that retrieval happens).
     middle = set(int5_key_layers(int5_keys, c.num_layers))
-    int3 = set(sorted(values, key=lambda u: (units[u]["layer"] in middle, units[u][key], u))
-               [:n_outlier_units(int3_values, len(values))])
+    int3 = set(
+        sorted(values, key=lambda u: (units[u]["layer"] in middle, units[u][key], u))[
+            : n_outlier_units(int3_values, len(values))
+        ]
+    )
     taken = set(band) | ret | int3
     n_fp8 = min(n_outlier_units(fraction, len(units)), len(units) - len(taken))
     order = [u for u in sorted(range(len(units)), key=lambda u: (-units[u][key], u)) if u not in taken]
@@ -393,38 +456,81 @@ def plan_from_measurement(m: dict, model_cfg, fraction: float, fmt: str = "int4-
             clip[r["layer"], kv, r["head"]] = r["clip"]
         elif kv == 0 and rotation == "none" and p not in ("int5", "int6"):
             kcs[r["layer"], r["head"]] = 1.0  # FP8 has per-element exponents: channel scaling buys nothing
-        layers[r["layer"]]["units"].append({**r, "precision": p} | (
-            {"retrieval_score": float(retrieval[r["layer"], r["head"]]), "retrieval": u in ret}
-            if retrieval is not None and r["kind"] == "k" else {}))
-    plan = KVPlan(fmt, c.num_layers, c.num_kv_heads, c.head_size, m["group_size"], prec,
-                  k_channel_scale=kcs, int4_clip=clip, outlier_fraction=fraction, rotation=rotation,
-                  sink_tokens=sink_tokens, recent_window=recent_window,
-                  k_mean=m.get("k_mean"))
-    report = {"format": fmt, "outlier_fraction": fraction, "units": len(units), "fp8_units": n_fp8,
-              "outlier_precision": outlier, "retrieval_units": len(ret), "rotation": rotation,
-              "int5_keys": int5_keys, "int5_units": len(int5), "int6_keys": int6_keys,
-              "int6_units": len(band) - len(int5), "int3_values": int3_values, "int3_units": len(int3),
-              "key_centering": m.get("k_mean") is not None,
-              "group_size": plan.effective_group_size, "bytes_per_token": plan.bytes_per_token(),
-              "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4),
-              "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead},
-              "sink_tokens": sink_tokens, "recent_window": recent_window,
-              "error_metric": "relative error of the layer's attention output (after o_proj), only that unit quantized",
-              "outlier_selection": key,
-              "layers": layers}
+        layers[r["layer"]]["units"].append(
+            {**r, "precision": p}
+            | (
+                {"retrieval_score": float(retrieval[r["layer"], r["head"]]), "retrieval": u in ret}
+                if retrieval is not None and r["kind"] == "k"
+                else {}
+            )
+        )
+    plan = KVPlan(
+        fmt,
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_size,
+        m["group_size"],
+        prec,
+        k_channel_scale=kcs,
+        int4_clip=clip,
+        outlier_fraction=fraction,
+        rotation=rotation,
+        sink_tokens=sink_tokens,
+        recent_window=recent_window,
+        k_mean=m.get("k_mean"),
+    )
+    report = {
+        "format": fmt,
+        "outlier_fraction": fraction,
+        "units": len(units),
+        "fp8_units": n_fp8,
+        "outlier_precision": outlier,
+        "retrieval_units": len(ret),
+        "rotation": rotation,
+        "int5_keys": int5_keys,
+        "int5_units": len(int5),
+        "int6_keys": int6_keys,
+        "int6_units": len(band) - len(int5),
+        "int3_values": int3_values,
+        "int3_units": len(int3),
+        "key_centering": m.get("k_mean") is not None,
+        "group_size": plan.effective_group_size,
+        "bytes_per_token": plan.bytes_per_token(),
+        "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4),
+        "compression_at": {"max_seq_len": seq_len, "lookahead": lookahead},
+        "sink_tokens": sink_tokens,
+        "recent_window": recent_window,
+        "error_metric": "relative error of the layer's attention output (after o_proj), only that unit quantized",
+        "outlier_selection": key,
+        "layers": layers,
+    }
     plan.calibration = {k: v for k, v in report.items() if k != "layers"} | {"layers": _compact(layers)}
     return plan, report
 
 
 def _compact(layers: list) -> list:
     """The per-layer table as stored in plan.json (rounded: the plan file stays small and stable)."""
-    return [{"layer": l["layer"], "units": [
-        {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in u.items() if k != "layer"}
-        for u in l["units"]]} for l in layers]
+    return [
+        {
+            "layer": l["layer"],
+            "units": [
+                {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in u.items() if k != "layer"}
+                for u in l["units"]
+            ],
+        }
+        for l in layers
+    ]
 
 
-def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len: int = 2048,
-              lookahead: int = 6, probes: Optional[list[dict]] = None, tokenizer=None) -> tuple[KVPlan, dict]:
+def calibrate(
+    verifier: Llama,
+    samples: list[list[int]],
+    kv_config=None,
+    seq_len: int = 2048,
+    lookahead: int = 6,
+    probes: Optional[list[dict]] = None,
+    tokenizer=None,
+) -> tuple[KVPlan, dict]:
     """(KVPlan, report) for the verifier. kv_config: KVCalibConfig or the recipe's kv_cache dict. seq_len,
     lookahead: what the reported compression is for (a plan with exact entries spreads them over a sequence).
     When the config's retrieval_fraction > 0: probes (corpus.retrieval_probes), or the tokenizer (a directory
@@ -435,27 +541,43 @@ def calibrate(verifier: Llama, samples: list[list[int]], kv_config=None, seq_len
         plan = KVPlan.uniform(cfg.format, c.num_layers, c.num_kv_heads, c.head_size, cfg.group_size)
         if cfg.format != "fp16":
             plan.sink_tokens, plan.recent_window = cfg.sink_tokens, cfg.recent_window
-        report = {"format": cfg.format, "units": c.num_layers * c.num_kv_heads * 2,
-                  "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4), "layers": []}
+        report = {
+            "format": cfg.format,
+            "units": c.num_layers * c.num_kv_heads * 2,
+            "compression_vs_fp16": round(plan.compression_vs_fp16(seq_len, lookahead), 4),
+            "layers": [],
+        }
         plan.calibration = report
         return plan, report
     retrieval = None
     if cfg.retrieval_fraction > 0:
         if not probes and tokenizer is not None:
-            from bpcompile.build.corpus import retrieval_probes
+            from bpcompile.compiler.corpus import retrieval_probes
 
             # no longer than the model's positions: a probe past them would measure extrapolation, not retrieval
-            probes = retrieval_probes(tokenizer, samples, RETRIEVAL_PROBES,
-                                      min(RETRIEVAL_PROBE_LENGTH, c.max_position_embeddings))
+            probes = retrieval_probes(
+                tokenizer, samples, RETRIEVAL_PROBES, min(RETRIEVAL_PROBE_LENGTH, c.max_position_embeddings)
+            )
         if not probes:
-            raise UserError("retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes) or a tokenizer",
-                            key="kv_cache.retrieval_fraction")
+            raise UserError(
+                "retrieval_fraction > 0 needs retrieval probes (corpus.retrieval_probes) or a tokenizer",
+                key="kv_cache.retrieval_fraction",
+            )
         retrieval = retrieval_scores(verifier, probes)
     plan, report = plan_from_measurement(
-        measure_units(verifier, samples, cfg), c, cfg.outlier_fraction, sink_tokens=cfg.sink_tokens,
-        recent_window=cfg.recent_window, seq_len=seq_len, lookahead=lookahead, retrieval=retrieval,
-        retrieval_fraction=cfg.retrieval_fraction, int5_keys=cfg.int5_keys, int6_keys=cfg.int6_keys,
-        int3_values=cfg.int3_values)
+        measure_units(verifier, samples, cfg),
+        c,
+        cfg.outlier_fraction,
+        sink_tokens=cfg.sink_tokens,
+        recent_window=cfg.recent_window,
+        seq_len=seq_len,
+        lookahead=lookahead,
+        retrieval=retrieval,
+        retrieval_fraction=cfg.retrieval_fraction,
+        int5_keys=cfg.int5_keys,
+        int6_keys=cfg.int6_keys,
+        int3_values=cfg.int3_values,
+    )
     if cfg.key_transform == "klt":
         plan, report = with_klt_keys(plan, report, verifier, samples, klt_key_layers(c.num_layers))
     return plan, report
@@ -500,9 +622,15 @@ def fit_klt(verifier: Llama, samples: list[list[int]], unit_bits: dict) -> dict:
     c = verifier.cfg
     L, KV, D = c.num_layers, c.num_kv_heads, c.head_size
     inv = rope_inv_freq(c).float()
-    t = {"mean": torch.zeros(L, KV, D), "weight": torch.ones(L, KV, D), "basis": torch.zeros(L, KV, D, D, dtype=torch.float16),
-         "bits": torch.zeros(L, KV, D, dtype=torch.int8),
-         "step": torch.zeros(L, KV, D), "level": torch.zeros(L, KV, D), "inv_freq": inv.clone()}
+    t = {
+        "mean": torch.zeros(L, KV, D),
+        "weight": torch.ones(L, KV, D),
+        "basis": torch.zeros(L, KV, D, D, dtype=torch.float16),
+        "bits": torch.zeros(L, KV, D, dtype=torch.int8),
+        "step": torch.zeros(L, KV, D),
+        "level": torch.zeros(L, KV, D),
+        "inv_freq": inv.clone(),
+    }
     layers = {layer for layer, _ in unit_bits}
     for layer, q, k, _ in capture_qkv(verifier, samples):
         if layer not in layers:
@@ -517,7 +645,7 @@ def fit_klt(verifier: Llama, samples: list[list[int]], unit_bits: dict) -> dict:
                 continue
             y = kp[:, h].double()
             mean = y.mean(0)
-            qh = qp[:, h * rep:(h + 1) * rep].reshape(-1, D)
+            qh = qp[:, h * rep : (h + 1) * rep].reshape(-1, D)
             g = torch.Generator().manual_seed(layer * 7 + h)
             idx = torch.randint(0, len(qh), (KLT_QUERY_SAMPLES,), generator=g)
             dist = torch.randint(0, KLT_SPAN, (KLT_QUERY_SAMPLES,), generator=g)
@@ -530,31 +658,46 @@ def fit_klt(verifier: Llama, samples: list[list[int]], unit_bits: dict) -> dict:
             z = x @ Vq
             lam = z.pow(2).mean(0).clamp_min(1e-12)
             bits = water_filling_bits(lam, unit_bits[layer, h])
-            t["mean"][layer, h], t["weight"][layer, h], t["bits"][layer, h] = mean.float(), weight.float(), bits.to(torch.int8)
+            t["mean"][layer, h], t["weight"][layer, h], t["bits"][layer, h] = (
+                mean.float(),
+                weight.float(),
+                bits.to(torch.int8),
+            )
             t["step"][layer, h] = (lam.sqrt() / 2.0 ** bits.double()).float()
             t["level"][layer, h] = torch.where(bits == 1, z.abs().mean(0), 0.0).float()
     return t
 
 
-def with_klt_keys(plan: KVPlan, report: dict, verifier: Llama, samples: list[list[int]],
-                  layers: range) -> tuple[KVPlan, dict]:
+def with_klt_keys(
+    plan: KVPlan, report: dict, verifier: Llama, samples: list[list[int]], layers: range
+) -> tuple[KVPlan, dict]:
     """The plan with the INT4 / INT5 / INT6 key units of `layers` stored as KLT4 / KLT5 / KLT6 units (the same
     payload bytes: 4, 5 or 6 bits an element; one fp16 scale per token, whatever the group size), their tables fit
     on the samples; report and calibration table updated."""
     D = plan.head_size
     to = {"int4": "klt4", "int5": "klt5", "int6": "klt6"}
-    unit_bits = {(layer, h): KLT_PRECISIONS[to[x]] * D for layer, p in enumerate(plan.precision)
-                 for h, x in enumerate(p["k"]) if x in to and layer in layers}
+    unit_bits = {
+        (layer, h): KLT_PRECISIONS[to[x]] * D
+        for layer, p in enumerate(plan.precision)
+        for h, x in enumerate(p["k"])
+        if x in to and layer in layers
+    }
     klt = fit_klt(verifier, samples, unit_bits)
-    prec = [{"k": [to[x] if (layer, h) in unit_bits else x for h, x in enumerate(p["k"])], "v": list(p["v"])}
-            for layer, p in enumerate(plan.precision)]
+    prec = [
+        {"k": [to[x] if (layer, h) in unit_bits else x for h, x in enumerate(p["k"])], "v": list(p["v"])}
+        for layer, p in enumerate(plan.precision)
+    ]
     plan = replace(plan, precision=prec, klt=klt)
     for lay in report["layers"]:
         for u in lay["units"]:
             if u["kind"] == "k" and (lay["layer"], u["head"]) in unit_bits:
                 u["precision"] = to[u["precision"]]
-    report = report | {"key_transform": "klt", "klt_units": len(unit_bits), "klt_layers": [layers.start, layers.stop],
-                       "bytes_per_token": plan.bytes_per_token()}
+    report = report | {
+        "key_transform": "klt",
+        "klt_units": len(unit_bits),
+        "klt_layers": [layers.start, layers.stop],
+        "bytes_per_token": plan.bytes_per_token(),
+    }
     plan.calibration = {k: v for k, v in report.items() if k != "layers"} | {"layers": _compact(report["layers"])}
     return plan, report
 
@@ -571,10 +714,13 @@ def text_file_samples(tokenizer_dir: str | Path, text_file: str | Path, n: int, 
     ids = tok.encode(text, add_special_tokens=False).ids
     bos = tok.token_to_id("<s>")
     body = length - 1 if bos is not None else length
-    wins = [ids[s:s + body] for s in range(0, len(ids) - body + 1, body)][:n]
+    wins = [ids[s : s + body] for s in range(0, len(ids) - body + 1, body)][:n]
     if len(wins) < n:
-        raise UserError(f"calibration text has {len(ids)} tokens: not enough for {n} samples of {length}",
-                        file=str(text_file), key="calibration.samples")
+        raise UserError(
+            f"calibration text has {len(ids)} tokens: not enough for {n} samples of {length}",
+            file=str(text_file),
+            key="calibration.samples",
+        )
     return [([bos] if bos is not None else []) + w for w in wins]
 
 
@@ -584,14 +730,22 @@ def recipe_samples(tokenizer_dir, calibration_cfg: dict, calibration_file=None) 
     n, length = int(calibration_cfg.get("samples", 16)), int(calibration_cfg.get("length", 128))
     if calibration_file:
         return text_file_samples(tokenizer_dir, calibration_file, n, length)
-    from bpcompile.build.corpus import calibration_samples
+    from bpcompile.compiler.corpus import calibration_samples
 
     return calibration_samples(tokenizer_dir, n, length)
 
 
-def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict, calibration_cfg: dict,
-                           out_dir, calibration_file=None, seq_len: int = 2048, lookahead: int = 6,
-                           sequences: int = 1) -> dict:
+def calibrate_engine_stage(
+    verifier_ckpt_dir,
+    tokenizer_dir,
+    kv_cache_cfg: dict,
+    calibration_cfg: dict,
+    out_dir,
+    calibration_file=None,
+    seq_len: int = 2048,
+    lookahead: int = 6,
+    sequences: int = 1,
+) -> dict:
     """Build stage: calibrate the converted verifier and write `out_dir` (= <version>/kv_plan/). seq_len,
     lookahead, sequences: the recipe's max_seq_len, largest tree and max_batch_size (the reported compression's
     allocation: the runtime's pool)."""
@@ -601,11 +755,18 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     verifier = Llama.from_checkpoint(verifier_ckpt_dir, dtype=None)  # the recipe's dtype
     samples = recipe_samples(tokenizer_dir, cal, calibration_file) if cfg.format == "int4-fp8-outlier" else []
     plan, report = calibrate(verifier, samples, cfg, seq_len, lookahead, tokenizer=tokenizer_dir)
-    plan.calibration["samples"] = {"n": len(samples), "length": length,
-                                   "source": str(calibration_file) if calibration_file else cal.get("source")}
+    plan.calibration["samples"] = {
+        "n": len(samples),
+        "length": length,
+        "source": str(calibration_file) if calibration_file else cal.get("source"),
+    }
     plan.save(out_dir)
-    fp8 = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"]
-           if u["precision"] in ("fp8", "int8") and not u.get("retrieval")]
+    fp8 = [
+        f"L{u['layer']}.{u['kind']}{u['head']}"
+        for l in report["layers"]
+        for u in l["units"]
+        if u["precision"] in ("fp8", "int8") and not u.get("retrieval")
+    ]
     ret = [f"L{u['layer']}.{u['kind']}{u['head']}" for l in report["layers"] for u in l["units"] if u.get("retrieval")]
     int5 = int5_key_layers(report.get("int5_keys", "none"), plan.num_layers)
     int6 = int6_key_layers(report.get("int6_keys", "none"), plan.num_layers)
@@ -616,28 +777,44 @@ def calibrate_engine_stage(verifier_ckpt_dir, tokenizer_dir, kv_cache_cfg: dict,
     if plan.has_klt:  # the D x D tables are per engine, not per token: say what the runtime's pool comes to
         from bpcompile.runtime.paged_kv import allocated_compression
 
-        report["allocated_compression"] = round(allocated_compression(plan, verifier.cfg, seq_len, lookahead,
-                                                                      sequences=sequences), 4)
-        report["allocated_compression_one_sequence"] = round(allocated_compression(plan, verifier.cfg, seq_len,
-                                                                                   lookahead), 4)
-    return {"detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
-                      f"{report.get('outlier_precision', 'fp8').upper()}{' ' + ' '.join(fp8) if fp8 else ''}"
-                      f"{', rotated' if report.get('rotation') == 'hadamard' else ''}"
-                      + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
-                      + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 and not early_klt else "")
-                      + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 and not band_klt else "")
-                      + (f", keys of layers {klt[0]}-{klt[1] - 1} KLT (before RoPE"
-                         + (f"; layers {int6.start}-{int6.stop - 1} KLT6" if early_klt else "")
-                         + (f"; layers {int5.start}-{int5.stop - 1} KLT5" if band_klt else "") + ")" if klt else "")
-                      + (f", {report['int3_units']} value units INT3" if report.get("int3_units") else "")
-                      + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
-                      + f", {report['compression_vs_fp16']:.2f}x vs FP16" + (f" at {seq_len} tokens" if plan.has_exact else "")
-                      + (f" ({report['allocated_compression']:.2f}x with the KLT tables in the runtime's pool of "
-                         f"{sequences} x {seq_len} tokens, {report['allocated_compression_one_sequence']:.2f}x at one "
-                         "sequence)" if "allocated_compression" in report else "")
-                      + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
-            "compression_vs_fp16": report["compression_vs_fp16"], "fp8_units": fp8,
-            "retrieval_units": ret, "peak_rss_bytes": rss}
+        report["allocated_compression"] = round(
+            allocated_compression(plan, verifier.cfg, seq_len, lookahead, sequences=sequences), 4
+        )
+        report["allocated_compression_one_sequence"] = round(
+            allocated_compression(plan, verifier.cfg, seq_len, lookahead), 4
+        )
+    return {
+        "detail": f"{report['format']}: {report.get('fp8_units', 0)}/{report['units']} units "
+        f"{report.get('outlier_precision', 'fp8').upper()}{' ' + ' '.join(fp8) if fp8 else ''}"
+        f"{', rotated' if report.get('rotation') == 'hadamard' else ''}"
+        + (f", retrieval keys INT8 {' '.join(ret)}" if ret else "")
+        + (f", keys of layers {int6.start}-{int6.stop - 1} INT6" if int6 and not early_klt else "")
+        + (f", keys of layers {int5.start}-{int5.stop - 1} INT5" if int5 and not band_klt else "")
+        + (
+            f", keys of layers {klt[0]}-{klt[1] - 1} KLT (before RoPE"
+            + (f"; layers {int6.start}-{int6.stop - 1} KLT6" if early_klt else "")
+            + (f"; layers {int5.start}-{int5.stop - 1} KLT5" if band_klt else "")
+            + ")"
+            if klt
+            else ""
+        )
+        + (f", {report['int3_units']} value units INT3" if report.get("int3_units") else "")
+        + (f", exact sink {plan.sink_tokens} + window {plan.recent_window}" if plan.has_exact else "")
+        + f", {report['compression_vs_fp16']:.2f}x vs FP16"
+        + (f" at {seq_len} tokens" if plan.has_exact else "")
+        + (
+            f" ({report['allocated_compression']:.2f}x with the KLT tables in the runtime's pool of "
+            f"{sequences} x {seq_len} tokens, {report['allocated_compression_one_sequence']:.2f}x at one "
+            "sequence)"
+            if "allocated_compression" in report
+            else ""
+        )
+        + (f"; build peak RSS so far {rss / 2**20:.0f} MiB" if rss else ""),
+        "compression_vs_fp16": report["compression_vs_fp16"],
+        "fp8_units": fp8,
+        "retrieval_units": ret,
+        "peak_rss_bytes": rss,
+    }
 
 
 def peak_rss_bytes() -> int | None:

@@ -8,6 +8,7 @@ memory map: a map keeps every page it touched resident for as long as the file i
 make a converter's RSS grow to the size of the model. `read_tensor` gives exactly what `safe_open`
 would (the tests check that), and the caller holds one tensor at a time.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ import torch
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.model import is_feature_draft  # noqa: F401 (the build and `plan` ask through here)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")  # transformers 5 keeps the chat template in its own file
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)  # transformers 5 keeps the chat template in its own file
 INPUT_GLOBS = ("config.json", "*.safetensors", "model.safetensors.index.json") + TOKENIZER_FILES  # what a build reads
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -33,9 +39,18 @@ SUPPORTED_ROPE = (None, "default", "linear", "llama3")  # what bpcompile.runtime
 
 # safetensors dtype names <-> torch dtypes
 ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 ST_ITEMSIZE = {k: v.itemsize for k, v in ST_DTYPES.items()}
@@ -113,8 +128,11 @@ def _rope(raw: dict, path: Path) -> tuple[float, Optional[dict]]:
     theta = _float(theta if theta is not None else 10000.0, "rope_theta", path)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in SUPPORTED_ROPE:
-        raise UserError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)",
-                        file=str(path), key="rope_scaling")
+        raise UserError(
+            f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)",
+            file=str(path),
+            key="rope_scaling",
+        )
     if kind in (None, "default"):
         return theta, None
     need = ["factor"] + (["original_max_position_embeddings"] if kind == "llama3" else [])
@@ -125,8 +143,11 @@ def _rope(raw: dict, path: Path) -> tuple[float, Optional[dict]]:
         if k in scaling:
             _float(scaling[k], f"rope_scaling.{k}", path)
     if kind == "llama3" and scaling.get("low_freq_factor", 1.0) >= scaling.get("high_freq_factor", 4.0):
-        raise UserError("rope_scaling: low_freq_factor must be smaller than high_freq_factor (llama3 divides by "
-                        "their difference)", file=str(path), key="rope_scaling.low_freq_factor")
+        raise UserError(
+            "rope_scaling: low_freq_factor must be smaller than high_freq_factor (llama3 divides by their difference)",
+            file=str(path),
+            key="rope_scaling.low_freq_factor",
+        )
     # TRT-LLM reads `type` in some releases and `rope_type` in others; write both.
     out = {"type": kind, "rope_type": kind}
     out.update({k: v for k, v in scaling.items() if k not in ("type", "rope_type")})
@@ -154,37 +175,56 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UserError(f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-                        file=str(path), key="architectures")
+        raise UserError(
+            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            file=str(path),
+            key="architectures",
+        )
     hidden = _int(raw, "hidden_size", path)
     heads = _int(raw, "num_attention_heads", path)
     kv = _int(raw, "num_key_value_heads", path, default=heads)
     head_dim = raw.get("head_dim")
     if head_dim is None:
         if hidden % heads:
-            raise UserError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no head_dim "
-                            "is given", file=str(path), key="head_dim")
+            raise UserError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no head_dim is given",
+                file=str(path),
+                key="head_dim",
+            )
         head_dim = hidden // heads
     head_dim = _int({"head_dim": head_dim}, "head_dim", path)
     if heads % kv:
-        raise UserError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
-                        file=str(path), key="num_key_value_heads")
+        raise UserError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+            file=str(path),
+            key="num_key_value_heads",
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise UserError(f"hidden_act {act!r} is not supported (Llama-family models use 'silu')",
-                        file=str(path), key="hidden_act")
+        raise UserError(
+            f"hidden_act {act!r} is not supported (Llama-family models use 'silu')", file=str(path), key="hidden_act"
+        )
     theta, scaling = _rope(raw, path)
     max_pos = _int(raw, "max_position_embeddings", path, default=2048)
     if arch == "MistralForCausalLM":
         sw = raw.get("sliding_window")
         if sw is not None and (isinstance(sw, bool) or not isinstance(sw, int)):
-            raise UserError(f"sliding_window must be an integer or null, got {sw!r}", file=str(path), key="sliding_window")
+            raise UserError(
+                f"sliding_window must be an integer or null, got {sw!r}", file=str(path), key="sliding_window"
+            )
         if sw is not None and sw < max_pos:
-            raise UserError(f"sliding_window {sw} < max_position_embeddings {max_pos}: sliding-window attention "
-                            "is not implemented by the native runtime", file=str(path), key="sliding_window")
+            raise UserError(
+                f"sliding_window {sw} < max_position_embeddings {max_pos}: sliding-window attention "
+                "is not implemented by the native runtime",
+                file=str(path),
+                key="sliding_window",
+            )
     if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
-        raise UserError("use_sliding_window: sliding-window attention is not implemented by the native runtime",
-                        file=str(path), key="use_sliding_window")
+        raise UserError(
+            "use_sliding_window: sliding-window attention is not implemented by the native runtime",
+            file=str(path),
+            key="use_sliding_window",
+        )
     dtype = raw.get("dtype", raw.get("torch_dtype"))
     if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
         dtype = None  # e.g. "auto" or an exotic type: decided from the tensors instead
@@ -248,8 +288,7 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     except OSError as e:
         raise UserError(f"cannot read: {e.strerror}", file=str(path)) from None
     if not stat.S_ISREG(st.st_mode):
-        raise UserError("not a regular file (a device, pipe or directory cannot be a safetensors file)",
-                        file=str(path))
+        raise UserError("not a regular file (a device, pipe or directory cannot be a safetensors file)", file=str(path))
     size = st.st_size
     bad = lambda why: UserError(f"not a valid safetensors file: {why}", file=str(path))  # noqa: E731
     with open(path, "rb") as f:
@@ -277,8 +316,9 @@ def read_header(path: str | Path) -> tuple[dict, int]:
             raise bad(f"tensor {name!r} needs dtype, shape and data_offsets")
         dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
         if dt not in ST_DTYPES:
-            raise UserError(f"tensor {name!r} has unsupported dtype {dt!r} (supported: {', '.join(ST_DTYPES)})",
-                            file=str(path))
+            raise UserError(
+                f"tensor {name!r} has unsupported dtype {dt!r} (supported: {', '.join(ST_DTYPES)})", file=str(path)
+            )
         if not isinstance(shape, list) or not all(_uint(s) for s in shape):
             raise bad(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_uint(o) for o in offs)):
@@ -287,14 +327,18 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     data_len, pos = size - 8 - n, 0
     for b, e, name, nbytes in sorted(spans):
         if b != pos or e < b:
-            why = "overlaps the previous tensor" if b < pos else ("leaves a gap before it" if b > pos else "is reversed")
+            why = (
+                "overlaps the previous tensor" if b < pos else ("leaves a gap before it" if b > pos else "is reversed")
+            )
             raise bad(f"tensor {name!r}: data_offsets [{b}, {e}] {why} (tensors must tile the data section)")
         if e - b != nbytes:
             raise bad(f"tensor {name!r}: data_offsets [{b}, {e}] hold {e - b} bytes, dtype and shape need {nbytes}")
         pos = e
     if pos != data_len:
-        raise bad(f"tensors cover {pos} bytes of a {data_len}-byte data section"
-                  + (" (truncated file?)" if pos > data_len else ""))
+        raise bad(
+            f"tensors cover {pos} bytes of a {data_len}-byte data section"
+            + (" (truncated file?)" if pos > data_len else "")
+        )
     return header, 8 + n
 
 
@@ -315,15 +359,23 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
         try:
             wm = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"invalid index (expected {{'weight_map': {{name: file}}}}): {e}", file=str(index)) from None
+            raise UserError(
+                f"invalid index (expected {{'weight_map': {{name: file}}}}): {e}", file=str(index)
+            ) from None
         if not isinstance(wm, dict) or not wm:
-            raise UserError(f"'weight_map' must be a non-empty object {{tensor name: shard file}}, got "
-                            f"{type(wm).__name__}", file=str(index), key="weight_map")
+            raise UserError(
+                f"'weight_map' must be a non-empty object {{tensor name: shard file}}, got {type(wm).__name__}",
+                file=str(index),
+                key="weight_map",
+            )
         for name, shard in wm.items():
             # shards sit next to the index: a path elsewhere (../, /etc/...) is not part of this checkpoint
             if not isinstance(shard, str) or not shard.endswith(".safetensors") or Path(shard).name != shard:
-                raise UserError(f"weight_map[{name!r}] must be a *.safetensors file name in this directory, "
-                                f"got {shard!r}", file=str(index), key="weight_map")
+                raise UserError(
+                    f"weight_map[{name!r}] must be a *.safetensors file name in this directory, got {shard!r}",
+                    file=str(index),
+                    key="weight_map",
+                )
         files = [d / f for f in dict.fromkeys(wm.values())]
         for f in files:
             if not f.is_file():
@@ -339,8 +391,9 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
     pickles = sorted(p.name for pat in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in d.glob(pat))
     if pickles:
         raise UserError(f"found {', '.join(pickles)} but no *.safetensors: {_PICKLE_HOWTO}", file=str(d))
-    raise UserError("no weights found (expected model.safetensors or model.safetensors.index.json + shards)",
-                    file=str(d))
+    raise UserError(
+        "no weights found (expected model.safetensors or model.safetensors.index.json + shards)", file=str(d)
+    )
 
 
 def list_weights(hf_dir: str | Path) -> dict[str, tuple[Path, torch.dtype, tuple[int, ...]]]:
@@ -420,13 +473,15 @@ def hf_weight_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
         # (module, [out, in], has a bias): each linear's weight, and its bias where the config says so
-        for mod, shape, bias in (("self_attn.q_proj", (nq, h), spec["qkv_bias"]),
-                                 ("self_attn.k_proj", (nkv, h), spec["qkv_bias"]),
-                                 ("self_attn.v_proj", (nkv, h), spec["qkv_bias"]),
-                                 ("self_attn.o_proj", (h, nq), spec["o_bias"]),
-                                 ("mlp.gate_proj", (i, h), spec["mlp_bias"]),
-                                 ("mlp.up_proj", (i, h), spec["mlp_bias"]),
-                                 ("mlp.down_proj", (h, i), spec["mlp_bias"])):
+        for mod, shape, bias in (
+            ("self_attn.q_proj", (nq, h), spec["qkv_bias"]),
+            ("self_attn.k_proj", (nkv, h), spec["qkv_bias"]),
+            ("self_attn.v_proj", (nkv, h), spec["qkv_bias"]),
+            ("self_attn.o_proj", (h, nq), spec["o_bias"]),
+            ("mlp.gate_proj", (i, h), spec["mlp_bias"]),
+            ("mlp.up_proj", (i, h), spec["mlp_bias"]),
+            ("mlp.down_proj", (h, i), spec["mlp_bias"]),
+        ):
             out[p + mod + ".weight"] = shape
             if bias:
                 out[p + mod + ".bias"] = shape[:1]
@@ -440,9 +495,11 @@ def check_weights(hf_dir: str | Path, spec: dict, weights: dict) -> None:
     held = {int(m[1]) for n in weights if (m := re.match(r"^model\.layers\.(\d+)\.", n))}
     L = spec["num_hidden_layers"]
     if max(held, default=-1) + 1 != L:
-        raise UserError(f"num_hidden_layers is {L} but the checkpoint's tensors are for "
-                        f"{max(held, default=-1) + 1} layers", file=str(Path(hf_dir) / "config.json"),
-                        key="num_hidden_layers")
+        raise UserError(
+            f"num_hidden_layers is {L} but the checkpoint's tensors are for {max(held, default=-1) + 1} layers",
+            file=str(Path(hf_dir) / "config.json"),
+            key="num_hidden_layers",
+        )
     for name, shape in hf_weight_shapes(spec).items():
         if name not in weights:
             hint = " (config says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
@@ -462,28 +519,50 @@ def read_feature_draft(d: str | Path, verifier: dict) -> dict:
     layers, inter = _int(raw, "num_layers", path), _int(raw, "intermediate_size", path)
     if layers > 64:
         raise UserError(f"num_layers {layers}: a feature draft has a few layers", file=str(path), key="num_layers")
-    spec = dict(verifier, architecture="FeatureDraft", num_hidden_layers=layers, intermediate_size=inter,
-                qkv_bias=False, o_bias=False, mlp_bias=False, raw=raw, head_rows=0)
+    spec = dict(
+        verifier,
+        architecture="FeatureDraft",
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        raw=raw,
+        head_rows=0,
+    )
     h, D = verifier["hidden_size"], verifier["head_dim"]
     nq, nkv = verifier["num_attention_heads"] * D, verifier["num_key_value_heads"] * D
     want = {"fc.weight": (h, 2 * h), "fc.bias": (h,)}
     for i in range(layers):
         p = f"transformer.layers.{i}."
-        want.update({p + "input_layernorm.weight": (h,), p + "post_layernorm.weight": (h,),
-                     p + "attention.qkv.weight": (nq + 2 * nkv, h), p + "attention.dense.weight": (h, nq),
-                     p + "mlp.fc.weight": (inter, h), p + "mlp.gate.weight": (inter, h), p + "mlp.proj.weight": (h, inter)})
+        want.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_layernorm.weight": (h,),
+                p + "attention.qkv.weight": (nq + 2 * nkv, h),
+                p + "attention.dense.weight": (h, nq),
+                p + "mlp.fc.weight": (inter, h),
+                p + "mlp.gate.weight": (inter, h),
+                p + "mlp.proj.weight": (h, inter),
+            }
+        )
     have = list_weights(d)
     for name, shape in want.items():
         if name not in have:
             raise UserError(f"missing tensor {name!r} (a FeatureDraft for a verifier of hidden size {h})", file=str(d))
         if tuple(have[name][2]) != shape:
-            raise UserError(f"tensor {name!r} has shape {list(have[name][2])}, the verifier implies {list(shape)}",
-                            file=str(have[name][0]))
+            raise UserError(
+                f"tensor {name!r} has shape {list(have[name][2])}, the verifier implies {list(shape)}",
+                file=str(have[name][0]),
+            )
     if "vocab_subset" in have:  # the token ids it may propose (FeatureDraft checks their values at load)
         f, dt, shape = have.pop("vocab_subset")
         if dt != torch.int64 or len(shape) != 1 or not 0 < shape[0] <= verifier["vocab_size"]:
-            raise UserError(f"tensor 'vocab_subset' must be int64 [N] with 0 < N <= {verifier['vocab_size']}, got "
-                            f"{dt} {list(shape)}", file=str(f))
+            raise UserError(
+                f"tensor 'vocab_subset' must be int64 [N] with 0 < N <= {verifier['vocab_size']}, got "
+                f"{dt} {list(shape)}",
+                file=str(f),
+            )
         spec["head_rows"] = shape[0]  # its own head: the verifier's rows for these ids
     extra = sorted(set(have) - set(want))
     if extra:
@@ -498,7 +577,9 @@ def check_tokenizer(d: str | Path) -> None:
 
     p = Path(d) / "tokenizer.json"
     if not p.is_file():
-        what = "is not a regular file" if os.path.lexists(p) else "is missing (a fast tokenizer file is needed to serve)"
+        what = (
+            "is not a regular file" if os.path.lexists(p) else "is missing (a fast tokenizer file is needed to serve)"
+        )
         raise UserError(f"tokenizer.json {what}", file=str(d))
     try:
         Tokenizer.from_file(str(p))

@@ -7,6 +7,7 @@ cannot run here (TensorRT absent, say) is recorded as skipped with its reason, n
 A killed build leaves only a locked staging directory, which the next build removes (bpcompile/core/store.py); the
 Triton repository is written under its own lock and switched to a new version as a whole (bpcompile/serving/emit.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,10 +23,10 @@ from typing import Callable, Optional
 import yaml
 
 from bpcompile import __version__
+from bpcompile.compiler.hf import INPUT_GLOBS, TOKENIZER_FILES
+from bpcompile.compiler.recipe import LoadedRecipe, load_recipe
 from bpcompile.core.engine import EngineConfig
 from bpcompile.core.errors import MissingDependency, UserError
-from bpcompile.build.hf import INPUT_GLOBS, TOKENIZER_FILES
-from bpcompile.build.recipe import LoadedRecipe, load_recipe
 from bpcompile.core.store import EngineStore, HashCache, Version, fault_point
 
 PKG_DIR = Path(__file__).resolve().parents[1]  # bpcompile/, plugin sources included (package data)
@@ -44,7 +45,16 @@ def code_version() -> str:
 
 def tool_versions() -> dict:
     out = {"python": platform.python_version(), "bpcompile": __version__}
-    for pkg in ("torch", "transformers", "safetensors", "tokenizers", "triton", "pydantic", "tritonclient", "nvidia-pytriton"):
+    for pkg in (
+        "torch",
+        "transformers",
+        "safetensors",
+        "tokenizers",
+        "triton",
+        "pydantic",
+        "tritonclient",
+        "nvidia-pytriton",
+    ):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -84,10 +94,16 @@ class BuildResult:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "version": self.version, "path": str(self.path), "created": self.created,
-            "build_id": self.build_id, "triton_repo": str(self.triton_repo) if self.triton_repo else None,
-            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail}
-                       for s in self.stages],
+            "name": self.name,
+            "version": self.version,
+            "path": str(self.path),
+            "created": self.created,
+            "build_id": self.build_id,
+            "triton_repo": str(self.triton_repo) if self.triton_repo else None,
+            "stages": [
+                {"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail}
+                for s in self.stages
+            ],
         }
 
 
@@ -97,7 +113,9 @@ Progress = Callable[[int, int], None]  # (done, total), e.g. tensors or bytes
 class Reporter:
     """Stage bookkeeping and progress callbacks; `log` goes to the user (stderr in the CLI)."""
 
-    def __init__(self, log: Callable[[str], None] = lambda s: None, progress: Optional[Callable[[str], Progress]] = None):
+    def __init__(
+        self, log: Callable[[str], None] = lambda s: None, progress: Optional[Callable[[str], Progress]] = None
+    ):
         self.log, self._progress = log, progress
         self.stages: list[StageRecord] = []
 
@@ -111,8 +129,10 @@ class Reporter:
         status = "skipped" if result.get("status") == "skipped" else "ran"
         rec = StageRecord(name, status, time.perf_counter() - t, result.pop("detail", ""), result)
         self.stages.append(rec)
-        self.log(f"[{'ok' if status == 'ran' else status}] {name} ({rec.seconds:.1f}s)"
-                 f"{': ' + rec.detail if rec.detail else ''}")
+        self.log(
+            f"[{'ok' if status == 'ran' else status}] {name} ({rec.seconds:.1f}s)"
+            f"{': ' + rec.detail if rec.detail else ''}"
+        )
         return result
 
     def skip(self, name: str, why: str):
@@ -134,9 +154,13 @@ def check_side_files(d: Path, key: str) -> None:
     for name in TOKENIZER_FILES:
         f = d / name
         if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
-            raise UserError(f"{name} is a symbolic link to {f.resolve()}, outside the checkpoint directory "
-                            f"(it would be copied into the engine and the Triton repository); put the file itself "
-                            f"in the checkpoint", file=str(f), key=key)
+            raise UserError(
+                f"{name} is a symbolic link to {f.resolve()}, outside the checkpoint directory "
+                f"(it would be copied into the engine and the Triton repository); put the file itself "
+                f"in the checkpoint",
+                file=str(f),
+                key=key,
+            )
 
 
 def _check_outputs(loaded: LoadedRecipe) -> None:
@@ -145,9 +169,12 @@ def _check_outputs(loaded: LoadedRecipe) -> None:
         return
     s, t = loaded.store_dir.resolve(), loaded.triton_repo_dir.resolve()
     if s == t or s.is_relative_to(t) or t.is_relative_to(s):
-        raise UserError(f"output.store ({s}) and output.triton_repo ({t}) overlap: emitting the repository would "
-                        f"write among engine versions; give them separate directories",
-                        file=str(loaded.file), key="output.triton_repo")
+        raise UserError(
+            f"output.store ({s}) and output.triton_repo ({t}) overlap: emitting the repository would "
+            f"write among engine versions; give them separate directories",
+            file=str(loaded.file),
+            key="output.triton_repo",
+        )
     from bpcompile.serving.emit import check_repository
 
     check_repository(loaded.triton_repo_dir, loaded.recipe.name)
@@ -162,9 +189,12 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         try:
             from bpcompile.serving import emit  # noqa: F401  (fail early when serving deps are missing)
         except (ImportError, MissingDependency) as e:
-            raise MissingDependency(f"triton.emit is true, but emitting a Triton repository needs the serve extra "
-                                    f"({e}): pip install 'bpcompile[serve]', or set triton.emit: false",
-                                    file=str(loaded.file), key="triton.emit") from None
+            raise MissingDependency(
+                f"triton.emit is true, but emitting a Triton repository needs the serve extra "
+                f"({e}): pip install 'bpcompile[serve]', or set triton.emit: false",
+                file=str(loaded.file),
+                key="triton.emit",
+            ) from None
     for role, d in (("verifier", loaded.verifier_dir), ("draft", loaded.draft_dir)):
         check_side_files(d, f"models.{role}.path")
     _check_outputs(loaded)
@@ -185,24 +215,36 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
     identity = {k: v for k, v in resolved.items() if k != "output"}
     identity["models"] = {k: {"dtype": v["dtype"]} for k, v in identity["models"].items()}
     code = code_version()
-    build_id = hashlib.sha256(json.dumps({"inputs": inputs, "recipe": identity, "code": code},
-                                         sort_keys=True).encode()).hexdigest()[:20]
+    build_id = hashlib.sha256(
+        json.dumps({"inputs": inputs, "recipe": identity, "code": code}, sort_keys=True).encode()
+    ).hexdigest()[:20]
 
     existing = store.find_build(r.name, build_id)
     if existing and not force:
-        rep.log(f"up to date: {existing.path} (version {existing.version}) was built from the same inputs, "
-                f"recipe and code (build id {build_id}); use --force to rebuild")
-        return BuildResult(r.name, existing.version, existing.path, False, build_id, [],
-                           _emit_if_wanted(loaded, store, existing, rep, created=False))
+        rep.log(
+            f"up to date: {existing.path} (version {existing.version}) was built from the same inputs, "
+            f"recipe and code (build id {build_id}); use --force to rebuild"
+        )
+        return BuildResult(
+            r.name,
+            existing.version,
+            existing.path,
+            False,
+            build_id,
+            [],
+            _emit_if_wanted(loaded, store, existing, rep, created=False),
+        )
 
     if r.target == "tensorrt-llm":  # fail before hours of conversion, not after
-        from bpcompile.build.trtllm import require_trtllm
+        from bpcompile.compiler.trtllm import require_trtllm
+
         require_trtllm()
     if r.target == "tensorrt":
-        from bpcompile.build.tensorrt import require_tensorrt
+        from bpcompile.compiler.tensorrt import require_tensorrt
+
         require_tensorrt(r)
 
-    from bpcompile.build.convert import convert_checkpoint
+    from bpcompile.compiler.convert import convert_checkpoint
 
     tp, pp = r.parallel.tp, r.parallel.pp
     with store.staging(r.name) as stage:
@@ -210,18 +252,26 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         EngineConfig.from_sections(resolved).save(stage)  # what the runtime and the repository read
 
         def convert(role: str, src: Path, pp_: int) -> dict:
-            out = convert_checkpoint(src, stage / role, tp=tp, pp=pp_, dtype=_dtype(getattr(r.models, role).dtype),
-                                     progress=rep.progress(f"convert {role}"))
+            out = convert_checkpoint(
+                src,
+                stage / role,
+                tp=tp,
+                pp=pp_,
+                dtype=_dtype(getattr(r.models, role).dtype),
+                progress=rep.progress(f"convert {role}"),
+            )
             return dict(out, detail=f"tp={tp} pp={pp_}, {tp * pp_} rank files, {out['bytes'] / 1e6:.1f} MB")
 
         rep.run("convert verifier", lambda: convert("verifier", loaded.verifier_dir, pp))
         fault_point("convert")
         # The draft is small: it keeps the recipe's tp (so it can sit on the verifier's GPUs) but no pp.
-        from bpcompile.build import hf
+        from bpcompile.compiler import hf
 
         if hf.is_feature_draft(loaded.draft_dir):  # runs as stored (the runtime casts to the verifier's dtype)
-            rep.run("copy feature draft", lambda: _copy_feature_draft(loaded.draft_dir, stage / "draft",
-                                                                          loaded.verifier_dir))
+            rep.run(
+                "copy feature draft",
+                lambda: _copy_feature_draft(loaded.draft_dir, stage / "draft", loaded.verifier_dir),
+            )
         else:
             rep.run("convert draft", lambda: convert("draft", loaded.draft_dir, 1))
         rep.run("tokenizer", lambda: _copy_tokenizer(loaded.verifier_dir, stage / "tokenizer"))
@@ -233,11 +283,22 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
         _target_stage(loaded, stage, rep)
 
         manifest = {
-            "build_id": build_id, "code_version": code, "recipe_file": str(loaded.file),
+            "build_id": build_id,
+            "code_version": code,
+            "recipe_file": str(loaded.file),
             "inputs": {k: {"sha256": inputs[k], "path": str(f)} for k, f in files.items()},
-            "tools": tool_versions(), "input_hash_seconds": round(hash_s, 3),
-            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail,
-                        **({"report": s.result} if s.result else {})} for s in rep.stages],
+            "tools": tool_versions(),
+            "input_hash_seconds": round(hash_s, 3),
+            "stages": [
+                {
+                    "name": s.name,
+                    "status": s.status,
+                    "seconds": round(s.seconds, 3),
+                    "detail": s.detail,
+                    **({"report": s.result} if s.result else {}),
+                }
+                for s in rep.stages
+            ],
         }
         version, created = store.publish(r.name, stage, manifest, force=force)
     if created:
@@ -251,7 +312,7 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
 def _copy_feature_draft(src: Path, dst: Path, verifier_dir: Path) -> dict:
     """config.json and model.safetensors of a FeatureDraft, validated again (shapes against the verifier's
     config, from the strictly checked safetensors headers) and copied."""
-    from bpcompile.build import hf
+    from bpcompile.compiler import hf
 
     # again: the files may have changed since validation
     spec = hf.read_feature_draft(src, hf.read_hf_config(verifier_dir))
@@ -268,7 +329,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> dict:
     dst.mkdir(parents=True)
     copied = [f for f in TOKENIZER_FILES if (src / f).is_file() and shutil.copy2(src / f, dst / f)]
     if "tokenizer.json" not in copied:
-        raise UserError(f"{src} has no tokenizer.json (a fast tokenizer file is needed to serve)", key="models.verifier.path")
+        raise UserError(
+            f"{src} has no tokenizer.json (a fast tokenizer file is needed to serve)", key="models.verifier.path"
+        )
     return {"detail": ", ".join(copied)}
 
 
@@ -277,19 +340,36 @@ def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
     if kv.format == "fp16":
         rep.skip("calibrate", "kv_cache.format is fp16: nothing to calibrate")
         return
-    from bpcompile.build.calibrate import calibrate_engine_stage
-    from bpcompile.build.plan import tree_tokens
+    from bpcompile.compiler.calibrate import calibrate_engine_stage
+    from bpcompile.compiler.plan import tree_tokens
 
-    rep.run("calibrate", lambda: calibrate_engine_stage(
-        stage / "verifier", stage / "tokenizer", kv.model_dump(), loaded.recipe.calibration.model_dump(),
-        stage / "kv_plan", calibration_file=loaded.calibration_file, seq_len=loaded.recipe.limits.max_seq_len,
-        lookahead=tree_tokens(loaded.recipe), sequences=loaded.recipe.limits.max_batch_size))
+    rep.run(
+        "calibrate",
+        lambda: calibrate_engine_stage(
+            stage / "verifier",
+            stage / "tokenizer",
+            kv.model_dump(),
+            loaded.recipe.calibration.model_dump(),
+            stage / "kv_plan",
+            calibration_file=loaded.calibration_file,
+            seq_len=loaded.recipe.limits.max_seq_len,
+            lookahead=tree_tokens(loaded.recipe),
+            sequences=loaded.recipe.limits.max_batch_size,
+        ),
+    )
     if loaded.recipe.target == "tensorrt-llm" and kv.format in ("fp8", "int8"):
-        from bpcompile.build.trtllm import kv_scales_stage  # TensorRT-LLM's per-layer scales (no TensorRT needed)
+        from bpcompile.compiler.trtllm import kv_scales_stage  # TensorRT-LLM's per-layer scales (no TensorRT needed)
 
-        rep.run("kv cache scales", lambda: kv_scales_stage(
-            stage / "verifier", stage / "tokenizer", kv.format, loaded.recipe.calibration.model_dump(),
-            loaded.calibration_file))
+        rep.run(
+            "kv cache scales",
+            lambda: kv_scales_stage(
+                stage / "verifier",
+                stage / "tokenizer",
+                kv.format,
+                loaded.recipe.calibration.model_dump(),
+                loaded.calibration_file,
+            ),
+        )
 
 
 def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
@@ -298,14 +378,14 @@ def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
         rep.skip("compile kernels", "kernels.compile is false")
         return
     try:
-        from bpcompile.build.aot import compile_engine_kernels
+        from bpcompile.compiler.aot import compile_engine_kernels
     except ImportError as e:
         rep.skip("compile kernels", f"not available in this version ({e})")
         return
     rep.run("compile kernels", lambda: compile_engine_kernels(stage, loaded.recipe, stage / "kernels"))
     # The TensorRT plugin library wraps those kernels; it is needed (and required) only for the tensorrt
     # target (the tensorrt-llm target refuses the cache it implements), and built wherever TensorRT exists.
-    from bpcompile.build.plugin import build_trt_plugin
+    from bpcompile.compiler.plugin import build_trt_plugin
 
     res = build_trt_plugin(stage / "kernels", stage / "trt_plugin", required=loaded.recipe.target == "tensorrt")
     if res.get("status") == "skipped":
@@ -317,7 +397,7 @@ def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
 def _onnx_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
     if not (loaded.recipe.runtime.wants_onnx or loaded.recipe.target == "tensorrt"):
         return
-    from bpcompile.build.onnx_export import export_engine
+    from bpcompile.compiler.onnx_export import export_engine
 
     rep.run("export onnx", lambda: export_engine(stage))
 
@@ -325,13 +405,14 @@ def _onnx_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
 def _target_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
     if loaded.recipe.target != "tensorrt-llm":
         return
-    from bpcompile.build.trtllm import trtllm_stage  # the one boundary to TensorRT / TensorRT-LLM
+    from bpcompile.compiler.trtllm import trtllm_stage  # the one boundary to TensorRT / TensorRT-LLM
 
     rep.run("tensorrt-llm engines", lambda: trtllm_stage(stage, loaded.recipe))
 
 
-def _emit_if_wanted(loaded: LoadedRecipe, store: EngineStore, version: Version, rep: Reporter,
-                    created: bool) -> Optional[Path]:
+def _emit_if_wanted(
+    loaded: LoadedRecipe, store: EngineStore, version: Version, rep: Reporter, created: bool
+) -> Optional[Path]:
     if not loaded.recipe.triton.emit:
         return None
     try:

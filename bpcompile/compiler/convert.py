@@ -11,6 +11,7 @@ pread/write in 16 MiB pieces) and never held in memory. The rest (dim-1 splits o
 and mlp.proj at tp > 1, and any dtype cast) go through memory one source tensor at a time. Peak
 memory is a small multiple of the largest tensor, not the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,13 +25,20 @@ from typing import Callable, Optional
 
 import torch
 
-from bpcompile.core.errors import UserError
+from bpcompile.compiler.hf import (
+    DTYPE_NAMES,
+    ST_ITEMSIZE,
+    TORCH_TO_ST,
+    TensorReader,
+    check_weights,
+    list_weights,
+    read_hf_config,
+    weight_files,
+)
 from bpcompile.core.checkpoint import pad_vocab_size, pp_layers, split_qkv
-from bpcompile.build.hf import DTYPE_NAMES, ST_ITEMSIZE, TORCH_TO_ST, TensorReader, check_weights, list_weights, read_hf_config, weight_files
+from bpcompile.core.errors import UserError
 
 ProgressFn = Callable[[int, int], None]  # (bytes written so far, total bytes)
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,14 +50,19 @@ def check_parallel(heads: int, kv: int, intermediate: int, layers: int, tp: int,
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise UserError(f"{key} must be a positive integer, got {val!r}", key=key)
     if heads % tp:
-        raise UserError(f"parallel.tp = {tp} does not divide num_attention_heads = {heads} of {where}",
-                        key="parallel.tp")
+        raise UserError(
+            f"parallel.tp = {tp} does not divide num_attention_heads = {heads} of {where}", key="parallel.tp"
+        )
     if (tp > kv and tp % kv) or (tp <= kv and kv % tp):
-        raise UserError(f"parallel.tp = {tp} and num_key_value_heads = {kv} of {where}: tp must divide the KV heads "
-                        "or be a multiple of them (KV heads are then duplicated)", key="parallel.tp")
+        raise UserError(
+            f"parallel.tp = {tp} and num_key_value_heads = {kv} of {where}: tp must divide the KV heads "
+            "or be a multiple of them (KV heads are then duplicated)",
+            key="parallel.tp",
+        )
     if intermediate % tp:
-        raise UserError(f"parallel.tp = {tp} does not divide intermediate_size = {intermediate} of {where}",
-                        key="parallel.tp")
+        raise UserError(
+            f"parallel.tp = {tp} does not divide intermediate_size = {intermediate} of {where}", key="parallel.tp"
+        )
     if pp > layers:
         raise UserError(f"parallel.pp = {pp} is more than the {layers} layers of {where}", key="parallel.pp")
 
@@ -75,8 +88,16 @@ def trtllm_config(spec: dict, tp: int, pp: int, dtype: str) -> dict:
         # Only keys every Mapping.__init__ of the 1.x line accepts (it is called as Mapping(**mapping)):
         # `auto_parallel` is in older to_dict output but was dropped from the constructor later.
         "mapping": {
-            "world_size": tp * pp, "gpus_per_node": 8, "cp_size": 1, "tp_size": tp, "pp_size": pp,
-            "moe_tp_size": tp, "moe_cluster_size": 1, "moe_ep_size": 1, "attn_tp_size": tp, "attn_cp_size": 1,
+            "world_size": tp * pp,
+            "gpus_per_node": 8,
+            "cp_size": 1,
+            "tp_size": tp,
+            "pp_size": pp,
+            "moe_tp_size": tp,
+            "moe_cluster_size": 1,
+            "moe_ep_size": 1,
+            "attn_tp_size": tp,
+            "attn_cp_size": 1,
             "cp_config": {},
         },
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
@@ -121,9 +142,9 @@ Segment = tuple[Optional[str], int, int]
 
 @dataclass
 class Job:
-    sources: list[str]                              # HF tensor names read for this job
+    sources: list[str]  # HF tensor names read for this job
     outputs: list[tuple[int, str, tuple[int, ...]]]  # (rank, TRT-LLM name, shape), aligned with fn's result
-    fn: Callable[..., list[torch.Tensor]]           # source tensors -> output tensors (the general path)
+    fn: Callable[..., list[torch.Tensor]]  # source tensors -> output tensors (the general path)
     segments: Optional[list[list[Segment]]] = None  # per output, when it is plain runs of source rows
 
 
@@ -147,16 +168,28 @@ def plan(spec: dict, tp: int, pp: int) -> list[Job]:
         add([src], name, stage, shape, lambda t: list(t.split(n, dim=0)), lambda r: [(src, r * n, (r + 1) * n)])
 
     def row(src, name, stage, rows, shape):  # split on dim 1; only tp=1 is a plain run of rows
-        add([src], name, stage, shape, lambda t: list(t.split(t.shape[1] // tp, dim=1)),
-            (lambda r: [(src, 0, rows)]) if tp == 1 else None)
+        add(
+            [src],
+            name,
+            stage,
+            shape,
+            lambda t: list(t.split(t.shape[1] // tp, dim=1)),
+            (lambda r: [(src, 0, rows)]) if tp == 1 else None,
+        )
 
     def qkv(srcs, name, stage, shape):
         q, k, v = srcs
         hq, hkv = H // tp * D, kv_rank * D
         # with KV heads duplicated (tp > KV), rank r holds KV head r // (tp // KV)
         kv0 = (lambda r: r // (tp // KV) * D) if tp > KV else (lambda r: r * hkv)
-        add(srcs, name, stage, shape, lambda *t: split_qkv(*t, KV, tp),
-            lambda r: [(q, r * hq, (r + 1) * hq), (k, kv0(r), kv0(r) + hkv), (v, kv0(r), kv0(r) + hkv)])
+        add(
+            srcs,
+            name,
+            stage,
+            shape,
+            lambda *t: split_qkv(*t, KV, tp),
+            lambda r: [(q, r * hq, (r + 1) * hq), (k, kv0(r), kv0(r) + hkv), (v, kv0(r), kv0(r) + hkv)],
+        )
 
     for stage in range(pp):
         if stage == 0:
@@ -184,7 +217,10 @@ def plan(spec: dict, tp: int, pp: int) -> list[Job]:
             n = Vp // tp
             src = "model.embed_tokens.weight" if spec["tie_word_embeddings"] else "lm_head.weight"
             pad = lambda w: list(torch.nn.functional.pad(w, (0, 0, 0, Vp - V)).split(n, dim=0))
-            segs = lambda r: [(src, min(r * n, V), min((r + 1) * n, V)), (None, 0, max((r + 1) * n - V, 0) - max(r * n - V, 0))]
+            segs = lambda r: [
+                (src, min(r * n, V), min((r + 1) * n, V)),
+                (None, 0, max((r + 1) * n - V, 0) - max(r * n - V, 0)),
+            ]
             add([src], "lm_head.weight", stage, (n, hid), pad, segs)
     return jobs
 
@@ -200,9 +236,9 @@ FILE_TO_FILE = hasattr(os, "copy_file_range")  # Linux: the kernel copies byte r
 def _write_all(fd: int, data) -> None:
     mv = memoryview(data).cast("B")
     for i in range(0, len(mv), _CHUNK):  # bounded writes: one huge write() stalls in dirty-page throttling
-        chunk = mv[i:i + _CHUNK]
+        chunk = mv[i : i + _CHUNK]
         while chunk:
-            chunk = chunk[os.write(fd, chunk):]
+            chunk = chunk[os.write(fd, chunk) :]
 
 
 class RankWriter:
@@ -229,8 +265,9 @@ class RankWriter:
     def _next(self, name: str, dtype: torch.dtype, shape: tuple) -> int:
         ename, edt, eshape, n = self.expect[self.i]
         if (name, dtype, tuple(shape)) != (ename, edt, eshape):  # a plan bug, not user input
-            raise AssertionError(f"{self.path.name}: got {name} {dtype} {list(shape)}, header says "
-                                 f"{ename} {edt} {list(eshape)}")
+            raise AssertionError(
+                f"{self.path.name}: got {name} {dtype} {list(shape)}, header says {ename} {edt} {list(eshape)}"
+            )
         self.i += 1
         return n
 
@@ -288,8 +325,14 @@ def _copy_range(src_fd: int, dst_fd: int, off: int, length: int) -> None:
         off, length = off + len(data), length - len(data)
 
 
-def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1,
-                       dtype: Optional[str] = None, progress: Optional[ProgressFn] = None) -> dict:
+def convert_checkpoint(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: Optional[str] = None,
+    progress: Optional[ProgressFn] = None,
+) -> dict:
     """Convert an HF Llama-family checkpoint into a TensorRT-LLM checkpoint in out_dir.
 
     dtype: "float32" | "float16" | "bfloat16"; None keeps the checkpoint's (config dtype, else the
@@ -301,8 +344,15 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp:
     spec = read_hf_config(hf_dir)
     weights = list_weights(hf_dir)
     check_weights(hf_dir, spec, weights)
-    check_parallel(spec["num_attention_heads"], spec["num_key_value_heads"], spec["intermediate_size"],
-                   spec["num_hidden_layers"], tp, pp, str(hf_dir))
+    check_parallel(
+        spec["num_attention_heads"],
+        spec["num_key_value_heads"],
+        spec["intermediate_size"],
+        spec["num_hidden_layers"],
+        tp,
+        pp,
+        str(hf_dir),
+    )
     if dtype is None:
         dtype = spec["dtype"] or str(weights["model.embed_tokens.weight"][1]).removeprefix("torch.")
     if dtype not in DTYPE_NAMES:
@@ -313,8 +363,11 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp:
     for j in jobs:
         for s in j.sources:
             if weights[s][1] not in DTYPE_NAMES.values():
-                raise UserError(f"tensor {s!r} is {weights[s][1]}: quantized checkpoints are not supported, "
-                                "give float16/bfloat16/float32 weights", file=str(weights[s][0]))
+                raise UserError(
+                    f"tensor {s!r} is {weights[s][1]}: quantized checkpoints are not supported, "
+                    "give float16/bfloat16/float32 weights",
+                    file=str(weights[s][0]),
+                )
     entries: dict[int, list] = {r: [] for r in range(tp * pp)}
     for j in jobs:
         for rank, name, shape in j.outputs:
@@ -351,7 +404,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp:
         "bytes": sum((out / f).stat().st_size for f in files),
         "seconds": time.perf_counter() - t0,
         "tensors": sum(len(e) for e in entries.values()),
-        "tp": tp, "pp": pp, "dtype": dtype,
+        "tp": tp,
+        "pp": pp,
+        "dtype": dtype,
     }
-
-

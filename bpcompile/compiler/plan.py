@@ -8,13 +8,14 @@ tp, KV heads repeated when tp exceeds them, the embedding and norms replicated) 
 the verifier and the draft). KV bytes per unit come from the unit-precision registry. Activations and the
 decode speed are estimates and say so.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Optional
 
-from bpcompile.build.calibrate import int5_key_layers, int6_key_layers, klt_key_layers, n_outlier_units
+from bpcompile.compiler.calibrate import int5_key_layers, int6_key_layers, klt_key_layers, n_outlier_units
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.kvcache import PRECISIONS
 from bpcompile.runtime.paged_kv import cache_pages, pages_per_sequence
@@ -69,14 +70,20 @@ def kv_bytes_per_token(cfg: dict, recipe, tp: int, fmt: Optional[str] = None, dt
     G = min(recipe.kv_cache.group_size, D)
     width = {p.name: p.payload_width(D) + 2 * (D // G) for p in PRECISIONS}  # payload + fp16 scales
     if fmt == "int4-fp8-outlier":  # the calibrated plan keeps this many units in INT5 / INT6 / INT8 / INT3 / the
-        kv = recipe.kv_cache       # outlier precision (calibrate.plan_from_measurement's order)
+        kv = recipe.kv_cache  # outlier precision (calibrate.plan_from_measurement's order)
         i5 = len(int5_key_layers(kv.int5_keys, L)) * KV
         i6 = len(int6_key_layers(kv.int6_keys, L)) * KV
         ret = min(n_outlier_units(kv.retrieval_fraction, units), L * KV - i5 - i6)
         i3 = n_outlier_units(kv.int3_values, L * KV)
         wide = min(n_outlier_units(kv.outlier_fraction, units), units - ret - i5 - i6 - i3)
-        total = share * (i5 * width["int5"] + i6 * width["int6"] + ret * width["int8"] + i3 * width["int3"]
-                         + wide * width[kv.outlier_precision] + (units - i5 - i6 - ret - i3 - wide) * width["int4"])
+        total = share * (
+            i5 * width["int5"]
+            + i6 * width["int6"]
+            + ret * width["int8"]
+            + i3 * width["int3"]
+            + wide * width[kv.outlier_precision]
+            + (units - i5 - i6 - ret - i3 - wide) * width["int4"]
+        )
         if kv.key_transform == "klt":  # KLT keys keep one scale per token; the store keeps a position per slot
             total += 4 - share * len(klt_key_layers(L)) * KV * 2 * (D // G - 1)
         return total
@@ -89,14 +96,21 @@ def exact_bytes_per_sequence(cfg: dict, recipe, tp: int) -> int:
     kv = recipe.kv_cache
     if not (kv.sink_tokens or kv.recent_window):
         return 0
-    return cfg["num_hidden_layers"] * kv_heads_per_rank(cfg, tp) * 2 * 2 * cfg["head_dim"] * (
-        kv.sink_tokens + kv.recent_window + tree_tokens(recipe))
+    return (
+        cfg["num_hidden_layers"]
+        * kv_heads_per_rank(cfg, tp)
+        * 2
+        * 2
+        * cfg["head_dim"]
+        * (kv.sink_tokens + kv.recent_window + tree_tokens(recipe))
+    )
 
 
 def weight_params_per_rank(cfg: dict, tp: int) -> int:
     """Parameters one tensor-parallel rank holds (pp = 1), as the converter splits them."""
-    h, L, I, V, D = (cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
-                                       "head_dim"))
+    h, L, I, V, D = (
+        cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "head_dim")
+    )
     hq = cfg["num_attention_heads"] // tp * D
     hkv = kv_heads_per_rank(cfg, tp) * D
     layer = 2 * h + (hq + 2 * hkv) * h + h * hq + 3 * h * (I // tp)
@@ -120,8 +134,8 @@ def kv_pool_bytes(recipe, verifier: dict, draft: Optional[dict]) -> int:
 
 
 def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Optional[int] = None) -> dict:
-    """The plan at tensor-parallel size tp (default: the recipe's). recipe: a bpcompile.build.recipe.Recipe;
-    verifier/draft: normalized HF configs (bpcompile.build.hf.read_hf_config)."""
+    """The plan at tensor-parallel size tp (default: the recipe's). recipe: a bpcompile.compiler.recipe.Recipe;
+    verifier/draft: normalized HF configs (bpcompile.compiler.hf.read_hf_config)."""
     tp = tp or recipe.parallel.tp
     lim = recipe.limits
     speculating = draft is not None and recipe.speculative.tree != "none"
@@ -146,8 +160,12 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
     activations += lim.max_batch_size * tree_tokens(recipe) * -(-verifier["vocab_size"] // tp) * 4
     total = weights + kv + activations
     usable = device.memory * USABLE
-    per_seq = pages_per_sequence(lim.max_seq_len, tree_tokens(recipe), recipe.kv_cache.page_size) \
-        * recipe.kv_cache.page_size * (kv_token + draft_token) + exact
+    per_seq = (
+        pages_per_sequence(lim.max_seq_len, tree_tokens(recipe), recipe.kv_cache.page_size)
+        * recipe.kv_cache.page_size
+        * (kv_token + draft_token)
+        + exact
+    )
     room = usable - weights - activations
     fits_seqs = max(0, int(room // per_seq)) if per_seq else 0
 
@@ -158,21 +176,29 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
         return batch * device.bandwidth / moved
 
     return {
-        "tp": tp, "device": device.name, "usable_bytes": usable,
-        "weights_bytes": weights, "kv_bytes": kv, "kv_bytes_per_token": kv_token,
-        "draft_kv_bytes_per_token": draft_token, "cache_tokens": tokens, "activations_bytes": activations,
-        "total_bytes": total, "fits": total <= usable,
+        "tp": tp,
+        "device": device.name,
+        "usable_bytes": usable,
+        "weights_bytes": weights,
+        "kv_bytes": kv,
+        "kv_bytes_per_token": kv_token,
+        "draft_kv_bytes_per_token": draft_token,
+        "cache_tokens": tokens,
+        "activations_bytes": activations,
+        "total_bytes": total,
+        "fits": total <= usable,
         "sequences_that_fit_at_max_seq_len": fits_seqs,
-        "projected_decode_tokens_per_s": {"batch_1_at_max_seq_len": decode(1, lim.max_seq_len),
-                                          f"batch_{lim.max_batch_size}_at_max_seq_len":
-                                              decode(lim.max_batch_size, lim.max_seq_len)},
+        "projected_decode_tokens_per_s": {
+            "batch_1_at_max_seq_len": decode(1, lim.max_seq_len),
+            f"batch_{lim.max_batch_size}_at_max_seq_len": decode(lim.max_batch_size, lim.max_seq_len),
+        },
     }
 
 
 def valid_tps(verifier: dict, draft: Optional[dict], upto: int = 64) -> list[int]:
     """Tensor-parallel sizes (powers of two) that both models split under (the converter's rules)."""
     out = []
-    for tp in (2 ** i for i in range(int(math.log2(upto)) + 1)):
+    for tp in (2**i for i in range(int(math.log2(upto)) + 1)):
         ok = True
         for cfg in filter(None, (verifier, draft)):
             H, KV, I = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
@@ -185,37 +211,62 @@ def valid_tps(verifier: dict, draft: Optional[dict], upto: int = 64) -> list[int
 def plan_report(recipe, verifier: dict, draft: Optional[dict], device: Device) -> dict:
     """The plan at the recipe's tp and at the smallest tp that fits (None when none does)."""
     at_recipe = plan(recipe, verifier, draft, device)
-    smallest = next((p for tp in valid_tps(verifier, draft)
-                     if (p := plan(recipe, verifier, draft, device, tp))["fits"]), None)
+    smallest = next(
+        (p for tp in valid_tps(verifier, draft) if (p := plan(recipe, verifier, draft, device, tp))["fits"]), None
+    )
     return {"recipe": recipe.name, "at_recipe_tp": at_recipe, "smallest_tp_that_fits": smallest}
 
 
 def device_from(name: str, memory_gb: Optional[float], bandwidth_tbs: Optional[float]) -> Device:
     if name not in DEVICES:
-        raise UserError(f"unknown device {name!r}; one of {', '.join(DEVICES)} (or give --memory-gb and "
-                        "--bandwidth-tbs)", key="device")
+        raise UserError(
+            f"unknown device {name!r}; one of {', '.join(DEVICES)} (or give --memory-gb and --bandwidth-tbs)",
+            key="device",
+        )
     d = DEVICES[name]
     if memory_gb is None and bandwidth_tbs is None:
         return d
-    return Device(f"{memory_gb or d.memory / GB:g} GB, {bandwidth_tbs or d.bandwidth / 1e12:g} TB/s",
-                  (memory_gb or d.memory / GB) * GB, (bandwidth_tbs or d.bandwidth / 1e12) * 1e12)
+    return Device(
+        f"{memory_gb or d.memory / GB:g} GB, {bandwidth_tbs or d.bandwidth / 1e12:g} TB/s",
+        (memory_gb or d.memory / GB) * GB,
+        (bandwidth_tbs or d.bandwidth / 1e12) * 1e12,
+    )
 
 
 def markdown(report: dict) -> str:
     def col(p):
         if p is None:
             return ["no tp that fits"] + [""] * 8
-        return [f"tp = {p['tp']}", f"{p['weights_bytes'] / GB:.2f} GB", f"{p['kv_bytes'] / GB:.2f} GB "
-                f"({p['cache_tokens']:,} tokens, {p['kv_bytes_per_token']:,.0f} B/token verifier)",
-                f"{p['activations_bytes'] / GB:.2f} GB (estimate)", f"{p['total_bytes'] / GB:.2f} GB",
-                f"{p['usable_bytes'] / GB:.1f} GB", "yes" if p["fits"] else "**no**",
-                f"{p['sequences_that_fit_at_max_seq_len']:,}",
-                ", ".join(f"{k.replace('_', ' ')}: {v:,.0f}" for k, v in p["projected_decode_tokens_per_s"].items())]
-    rows = ["per GPU", "weights", "KV caches at the limits", "activations", "total", "usable (90%)", "fits",
-            "sequences of max_seq_len that fit", "projected decode tok/s (bandwidth bound, verifier only)"]
+        return [
+            f"tp = {p['tp']}",
+            f"{p['weights_bytes'] / GB:.2f} GB",
+            f"{p['kv_bytes'] / GB:.2f} GB "
+            f"({p['cache_tokens']:,} tokens, {p['kv_bytes_per_token']:,.0f} B/token verifier)",
+            f"{p['activations_bytes'] / GB:.2f} GB (estimate)",
+            f"{p['total_bytes'] / GB:.2f} GB",
+            f"{p['usable_bytes'] / GB:.1f} GB",
+            "yes" if p["fits"] else "**no**",
+            f"{p['sequences_that_fit_at_max_seq_len']:,}",
+            ", ".join(f"{k.replace('_', ' ')}: {v:,.0f}" for k, v in p["projected_decode_tokens_per_s"].items()),
+        ]
+
+    rows = [
+        "per GPU",
+        "weights",
+        "KV caches at the limits",
+        "activations",
+        "total",
+        "usable (90%)",
+        "fits",
+        "sequences of max_seq_len that fit",
+        "projected decode tok/s (bandwidth bound, verifier only)",
+    ]
     a, b = col(report["at_recipe_tp"]), col(report["smallest_tp_that_fits"])
-    lines = [f"memory plan of {report['recipe']} on {report['at_recipe_tp']['device']}", "",
-             "| | recipe's tp | smallest tp that fits |", "|---|---|---|"]
+    lines = [
+        f"memory plan of {report['recipe']} on {report['at_recipe_tp']['device']}",
+        "",
+        "| | recipe's tp | smallest tp that fits |",
+        "|---|---|---|",
+    ]
     lines += [f"| {r} | {x} | {y} |" for r, x, y in zip(rows, a, b)]
     return "\n".join(lines)
-

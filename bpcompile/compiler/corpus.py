@@ -15,6 +15,7 @@ Token helpers accept a `transformers` tokenizer, a `tokenizers.Tokenizer`, or a 
 directory/file holding `tokenizer.json`. Sequences start with the BOS token, as `tokenizer(text)`
 of the shipped tokenizer does, and are cut out of one document (never across two).
 """
+
 from __future__ import annotations
 
 import functools
@@ -104,6 +105,7 @@ def fingerprint() -> str:
 
 # ---- token helpers ---------------------------------------------------------------------------
 
+
 def _load(tokenizer):
     """-> (encode(text) -> ids without special tokens, BOS id or None). The BOS is the special token the tokenizer
     itself puts before a text (tokenizer.json's post-processor; a slow tokenizer's add_special_tokens), so a
@@ -125,7 +127,7 @@ def _load(tokenizer):
     else:
         encode = lambda text, special=False: list(tokenizer.encode(text, add_special_tokens=special))  # noqa: E731
     plain, full = encode("a"), encode("a", True)
-    bos = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
+    bos = full[0] if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain else None
     return encode, bos
 
 
@@ -175,8 +177,7 @@ def text_documents(path) -> list[str]:
     return [text]
 
 
-def retrieval_probes(tokenizer, samples: list[list[int]], n: int = 4, length: int = 1024,
-                     seed: int = 0) -> list[dict]:
+def retrieval_probes(tokenizer, samples: list[list[int]], n: int = 4, length: int = 1024, seed: int = 0) -> list[dict]:
     """n needle-in-a-haystack prompts of about `length` ids for finding a model's retrieval heads: the samples'
     text (BOS dropped, cycled from a seeded start) with a line holding a random 5-digit key at depth (i + 0.5) / n,
     then a question and the answer with the key. Each: ids, needle (positions of the key's copies in the text)

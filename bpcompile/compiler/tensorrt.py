@@ -4,6 +4,7 @@ with the plugin library (trt_plugin/libbpcompile_trt_plugins.so) that implements
 This is one of the two boundaries to NVIDIA's libraries (the other is trtllm.py): where TensorRT is absent the
 build refuses before doing any work, naming the commands that do the job on a machine that has it.
 """
+
 from __future__ import annotations
 
 from bpcompile.core.errors import MissingDependency
@@ -25,11 +26,15 @@ def require_tensorrt(recipe) -> str:
     """Refuse target tensorrt clearly where it cannot be built (before any stage runs)."""
     problems = []
     if recipe.kv_cache.format == "fp16":
-        problems.append("kv_cache.format fp16: the plugin library implements the quantized cache only "
-                        f"({ops.QUANT_APPEND}, {ops.QUANT_ATTENTION})")
+        problems.append(
+            "kv_cache.format fp16: the plugin library implements the quantized cache only "
+            f"({ops.QUANT_APPEND}, {ops.QUANT_ATTENTION})"
+        )
     if recipe.speculative.tree != "none":
-        problems.append(f"speculation: the draft's unquantized cache ({ops.FLOAT_APPEND}, {ops.FLOAT_ATTENTION}) "
-                        "has no TensorRT plugin yet")
+        problems.append(
+            f"speculation: the draft's unquantized cache ({ops.FLOAT_APPEND}, {ops.FLOAT_ATTENTION}) "
+            "has no TensorRT plugin yet"
+        )
     v = tensorrt_version()
     if v is None:
         problems.append("TensorRT (the `tensorrt` Python package, 10.x, and a GPU) is not installed here")
@@ -41,5 +46,7 @@ def require_tensorrt(recipe) -> str:
             "`target: native` and `runtime: {onnx: true}` (the step graphs with the plugin nodes, run here by "
             "`bpcompile generate --executor onnxruntime`), then on a TensorRT machine, per graph: "
             "trtexec --onnx=<version>/onnx/verifier/step.onnx --dynamicPlugins=<version>/trt_plugin/"
-            f"{PLUGIN_LIB} --saveEngine=verifier_step.plan --fp16 --preview=+aliasedPluginIO1003", key="target")
+            f"{PLUGIN_LIB} --saveEngine=verifier_step.plan --fp16 --preview=+aliasedPluginIO1003",
+            key="target",
+        )
     return v

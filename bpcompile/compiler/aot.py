@@ -1,9 +1,10 @@
 """Ahead-of-time compilation of the paged-KV kernels for an engine version: per specialization a cubin, its
-PTX and a C launcher, which the TensorRT plugin (bpcompile/plugins/trt) wraps.
+PTX and a C launcher, which the TensorRT plugin (plugins/trt) wraps.
 
 The compile itself runs in a bare subprocess with TRITON_INTERPRET=0 (Triton decides interpreted vs compiled
 when it is first imported, and a CPU-only build process has already chosen the interpreter), which imports
 this module and `bpcompile.kernels.paged` only."""
+
 from __future__ import annotations
 
 import hashlib
@@ -29,34 +30,109 @@ from bpcompile.runtime.kvcache import KERNEL_PRECISIONS
 # below takes the grid, returns the CUresult, and loads the cubin on first use or explicitly.
 
 _ARG_TYPES = {  # kernel argument -> Triton signature type; {dt} is the activation dtype (fp16 / bf16)
-    "K": "*{dt}", "V": "*{dt}", "Q": "*{dt}", "Out": "*{dt}", "slots": "*i64",
-    "q4": "*u8", "s4": "*fp16", "q8": "*u8", "s8": "*fp16", "qi8": "*u8", "si8": "*fp16", "q5": "*u8", "s5": "*fp16",
-    "unit_precision": "*i8", "unit_index": "*i32", "k_channel_scale": "*fp32", "int4_clip": "*fp32",
-    "part_acc": "*fp32", "part_ml": "*fp32", "block_tables": "*i32", "context_lens": "*i32",
-    "tree_mask": "*i32", "num_tree": "*i32", "num_q": "*i32", "src": "*u8", "dst": "*u8", "src_index": "*i64", "dst_index": "*i64",
+    "K": "*{dt}",
+    "V": "*{dt}",
+    "Q": "*{dt}",
+    "Out": "*{dt}",
+    "slots": "*i64",
+    "q4": "*u8",
+    "s4": "*fp16",
+    "q8": "*u8",
+    "s8": "*fp16",
+    "qi8": "*u8",
+    "si8": "*fp16",
+    "q5": "*u8",
+    "s5": "*fp16",
+    "unit_precision": "*i8",
+    "unit_index": "*i32",
+    "k_channel_scale": "*fp32",
+    "int4_clip": "*fp32",
+    "part_acc": "*fp32",
+    "part_ml": "*fp32",
+    "block_tables": "*i32",
+    "context_lens": "*i32",
+    "tree_mask": "*i32",
+    "num_tree": "*i32",
+    "num_q": "*i32",
+    "src": "*u8",
+    "dst": "*u8",
+    "src_index": "*i64",
+    "dst_index": "*i64",
 }
-_ALIGNED = {"K", "V", "Q", "Out", "q4", "s4", "q8", "s8", "qi8", "si8", "q5", "s5", "part_acc", "part_ml"}  # 16-byte aligned
+_ALIGNED = {
+    "K",
+    "V",
+    "Q",
+    "Out",
+    "q4",
+    "s4",
+    "q8",
+    "s8",
+    "qi8",
+    "si8",
+    "q5",
+    "s5",
+    "part_acc",
+    "part_ml",
+}  # 16-byte aligned
 _C_TYPES = {"i8": "int8_t", "i32": "int32_t", "i64": "int64_t", "u8": "uint8_t", "fp32": "float"}
-_KERNELS = {"quantize_append": "_quantize_append_kernel", "paged_attention": "_paged_attention_kernel",
-            "combine_splits": "_combine_splits_kernel", "copy_rows": "_copy_rows_kernel"}
+_KERNELS = {
+    "quantize_append": "_quantize_append_kernel",
+    "paged_attention": "_paged_attention_kernel",
+    "combine_splits": "_combine_splits_kernel",
+    "copy_rows": "_copy_rows_kernel",
+}
 
 
 def aot_specs(head_size: int, group_size: int, page_size: int, gqa: int, dtype: str = "fp16") -> list[dict]:
     """The specializations an engine needs: one quantize-append, paged attention for decode (16 query rows)
     and for trees (64 rows per program), each with and without split-K, the split merge, and the move."""
     common = dict(PAGE=page_size, D=head_size, GS=group_size)
-    specs = [dict(name="quantize_append", kernel="quantize_append", constexprs={**common, "BLOCK_T": 16},
-                  num_warps=4, num_stages=1)]
+    specs = [
+        dict(
+            name="quantize_append",
+            kernel="quantize_append",
+            constexprs={**common, "BLOCK_T": 16},
+            num_warps=4,
+            num_stages=1,
+        )
+    ]
     for rows, tag, warps in ((16, "decode", 4), (64, "tree", 8)):
         for split in (0, 1):
-            specs.append(dict(name=f"paged_attention_{tag}{'_split' if split else ''}", kernel="paged_attention",
-                              constexprs={**common, "R": gqa, "BLOCK_M": rows, "BLOCK_N": paged.DEFAULT_BLOCK_N,
-                                          "SPLIT": split, "F32": 0},
-                              num_warps=warps, num_stages=2))
-    specs.append(dict(name="combine_splits", kernel="combine_splits", constexprs={"D": head_size, "BLOCK_R": 16},
-                      num_warps=4, num_stages=1))
-    specs.append(dict(name="copy_rows", kernel="copy_rows", constexprs={"BLOCK_U": 16, "BLOCK_B": paged._pow2(head_size)},
-                      num_warps=4, num_stages=1))
+            specs.append(
+                dict(
+                    name=f"paged_attention_{tag}{'_split' if split else ''}",
+                    kernel="paged_attention",
+                    constexprs={
+                        **common,
+                        "R": gqa,
+                        "BLOCK_M": rows,
+                        "BLOCK_N": paged.DEFAULT_BLOCK_N,
+                        "SPLIT": split,
+                        "F32": 0,
+                    },
+                    num_warps=warps,
+                    num_stages=2,
+                )
+            )
+    specs.append(
+        dict(
+            name="combine_splits",
+            kernel="combine_splits",
+            constexprs={"D": head_size, "BLOCK_R": 16},
+            num_warps=4,
+            num_stages=1,
+        )
+    )
+    specs.append(
+        dict(
+            name="copy_rows",
+            kernel="copy_rows",
+            constexprs={"BLOCK_U": 16, "BLOCK_B": paged._pow2(head_size)},
+            num_warps=4,
+            num_stages=1,
+        )
+    )
     for s in specs:
         s["dtype"] = dtype
         s["name"] = f"bp_{s['name']}_{dtype}"
@@ -65,11 +141,12 @@ def aot_specs(head_size: int, group_size: int, page_size: int, gqa: int, dtype: 
 
 def _signature(kernel, spec: dict) -> list[tuple[str, str]]:
     """[(argument, type)] of the runtime arguments, in order (constexprs removed)."""
-    return [(a, _ARG_TYPES.get(a, "i32").format(dt=spec["dtype"])) for a in kernel.arg_names
-            if a not in spec["constexprs"]]
+    return [
+        (a, _ARG_TYPES.get(a, "i32").format(dt=spec["dtype"])) for a in kernel.arg_names if a not in spec["constexprs"]
+    ]
 
 
-_LAUNCHER_C = """/* Generated by bpcompile.build.aot (Triton {triton_version}, {target}) from {kernel}: {doc}.
+_LAUNCHER_C = """/* Generated by bpcompile.compiler.aot (Triton {triton_version}, {target}) from {kernel}: {doc}.
    {name}_launch(stream, gridX, gridY, gridZ, args...) launches it; the cubin is loaded on first use
    (or by {name}_load()), so load it before capturing a CUDA graph. Returns the CUresult, never exits. */
 #include <cuda.h>
@@ -109,7 +186,7 @@ CUresult {name}_launch(CUstream stream, unsigned int gridX, unsigned int gridY, 
 }}
 """
 
-_LAUNCHER_H = """/* Generated by bpcompile.build.aot: launcher of {name} ({kernel}; {doc}). */
+_LAUNCHER_H = """/* Generated by bpcompile.compiler.aot: launcher of {name} ({kernel}; {doc}). */
 #pragma once
 #include <cuda.h>
 #include <stdint.h>
@@ -127,7 +204,7 @@ CUresult {name}_launch(CUstream stream, unsigned int gridX, unsigned int gridY, 
 
 def _ptx_param_count(ptx: str, symbol: str) -> int:
     start = ptx.index(f".entry {symbol}(")
-    return ptx[start:ptx.index(")", start)].count(".param")
+    return ptx[start : ptx.index(")", start)].count(".param")
 
 
 def _aot_compile(spec_file: str) -> None:
@@ -146,9 +223,11 @@ def _aot_compile(spec_file: str) -> None:
         signature = {a: signature[a] for a in kernel.arg_names}
         attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, _ in sig if a in _ALIGNED}
         src = ASTSource(fn=kernel, signature=signature, constexprs=dict(spec["constexprs"]), attrs=attrs)
-        cc = paged.triton.compile(src, target=target, options={"num_warps": spec["num_warps"],
-                                                         "num_stages": spec["num_stages"],
-                                                         "enable_fp_fusion": False})
+        cc = paged.triton.compile(
+            src,
+            target=target,
+            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"], "enable_fp_fusion": False},
+        )
         md = cc.metadata
         if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
             raise RuntimeError(f"{spec['name']} needs global scratch memory; the launcher does not provide it")
@@ -159,17 +238,38 @@ def _aot_compile(spec_file: str) -> None:
         arg_ptrs = ", ".join([f"&{a}" for a, _ in sig] + ["&scratch"] * extra)
         doc = ", ".join(f"{k}={v}" for k, v in spec["constexprs"].items()) + f", num_warps={spec['num_warps']}"
         hexes = [f"0x{b:02x}" for b in cubin]
-        data = ",\n".join(", ".join(hexes[i:i + 16]) for i in range(0, len(hexes), 16))
-        fmt = dict(name=name, kernel=spec["kernel"], doc=doc, triton_version=paged.triton.__version__,
-                   target=f"sm_{job['capability']}{'a' if job['capability'] == 90 else ''}", size=len(cubin), data=data, symbol=symbol, shared=md.shared,
-                   params=params, arg_ptrs=arg_ptrs, threads=32 * spec["num_warps"])
+        data = ",\n".join(", ".join(hexes[i : i + 16]) for i in range(0, len(hexes), 16))
+        fmt = dict(
+            name=name,
+            kernel=spec["kernel"],
+            doc=doc,
+            triton_version=paged.triton.__version__,
+            target=f"sm_{job['capability']}{'a' if job['capability'] == 90 else ''}",
+            size=len(cubin),
+            data=data,
+            symbol=symbol,
+            shared=md.shared,
+            params=params,
+            arg_ptrs=arg_ptrs,
+            threads=32 * spec["num_warps"],
+        )
         (out / f"{name}.cubin").write_bytes(cubin)
         (out / f"{name}.ptx").write_text(ptx)
         (out / f"{name}.c").write_text(_LAUNCHER_C.format(**fmt))
         (out / f"{name}.h").write_text(_LAUNCHER_H.format(**fmt))
-        (out / f"{name}.meta.json").write_text(json.dumps(
-            {"symbol": symbol, "shared": md.shared, "num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
-             "extra_params": extra, "signature": sig}, indent=1))
+        (out / f"{name}.meta.json").write_text(
+            json.dumps(
+                {
+                    "symbol": symbol,
+                    "shared": md.shared,
+                    "num_warps": spec["num_warps"],
+                    "num_stages": spec["num_stages"],
+                    "extra_params": extra,
+                    "signature": sig,
+                },
+                indent=1,
+            )
+        )
 
 
 def _sha256(p: Path) -> str:
@@ -185,7 +285,7 @@ if sys.platform.startswith("linux"):
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 if os.getppid() != int(sys.argv[2]):
     os._exit(1)
-from bpcompile.build.aot import _aot_compile
+from bpcompile.compiler.aot import _aot_compile
 _aot_compile(sys.argv[1])
 """
 
@@ -256,26 +356,39 @@ def check_launchers(kernels_dir: Path) -> dict:
 
 
 def _write_kernels_header(out_dir: Path, specs: list[dict], model: dict, gqa: int) -> None:
-    """bp_kernels.h: the specialization's constants and generic launcher names for the TensorRT plugin (bpcompile/plugins/trt)."""
-    lines = ["/* Generated by bpcompile.build.aot: the kernels in this directory, for the TensorRT plugin (bpcompile/plugins/trt). */", "#pragma once"]
+    """bp_kernels.h: the specialization's constants and generic launcher names for the TensorRT plugin (plugins/trt)."""
+    lines = [
+        "/* Generated by bpcompile.compiler.aot: the kernels in this directory, for the TensorRT plugin (plugins/trt). */",
+        "#pragma once",
+    ]
     lines += [f'#include "{s["name"]}.h"' for s in specs]
     attn = next(s for s in specs if s["kernel"] == "paged_attention")
-    const = {"BP_HEAD_SIZE": model["head_size"], "BP_GROUP_SIZE": model["group_size"], "BP_PAGE_SIZE": model["page_size"],
-             "BP_GQA": gqa, "BP_BLOCK_N": attn["constexprs"]["BLOCK_N"], "BP_DTYPE_IS_BF16": int(model["dtype"] == "bf16"),
-             "BP_QUANT_BLOCK_T": specs[0]["constexprs"]["BLOCK_T"],
-             "BP_COMBINE_BLOCK_R": next(s for s in specs if s["kernel"] == "combine_splits")["constexprs"]["BLOCK_R"]}
+    const = {
+        "BP_HEAD_SIZE": model["head_size"],
+        "BP_GROUP_SIZE": model["group_size"],
+        "BP_PAGE_SIZE": model["page_size"],
+        "BP_GQA": gqa,
+        "BP_BLOCK_N": attn["constexprs"]["BLOCK_N"],
+        "BP_DTYPE_IS_BF16": int(model["dtype"] == "bf16"),
+        "BP_QUANT_BLOCK_T": specs[0]["constexprs"]["BLOCK_T"],
+        "BP_COMBINE_BLOCK_R": next(s for s in specs if s["kernel"] == "combine_splits")["constexprs"]["BLOCK_R"],
+    }
     lines += [f"#define {k} {v}" for k, v in const.items()]
     # The KV pools as the store lays them out (runtime/kvcache.py's precision registry): a payload and an fp16
     # scale pool per unit precision, then how to pass them (pointers, then each precision's unit count).
     trt = {torch.uint8: "kUINT8", torch.int8: "kINT8", torch.float16: "kHALF"}  # the ONNX graphs' pool types
     pools = [t for prec in KERNEL_PRECISIONS for t in (trt[prec.payload_dtype], "kHALF")]
-    lines += [f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in KERNEL_PRECISIONS)} */",
-              f"#define BP_NUM_KV_POOLS {len(pools)}",
-              "#define BP_KV_POOL_TYPES " + ", ".join(f"nvinfer1::DataType::{t}" for t in pools),
-              "#define BP_KV_POOL_ARGS(POOL, UNITS) " + ", ".join(
-                  [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(KERNEL_PRECISIONS))])]
+    lines += [
+        f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in KERNEL_PRECISIONS)} */",
+        f"#define BP_NUM_KV_POOLS {len(pools)}",
+        "#define BP_KV_POOL_TYPES " + ", ".join(f"nvinfer1::DataType::{t}" for t in pools),
+        "#define BP_KV_POOL_ARGS(POOL, UNITS) "
+        + ", ".join(
+            [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(KERNEL_PRECISIONS))]
+        ),
+    ]
     suffix = f"_{model['dtype']}"
-    lines += [f"#define {s['name'][:-len(suffix)]}_launch {s['name']}_launch" for s in specs]
+    lines += [f"#define {s['name'][: -len(suffix)]}_launch {s['name']}_launch" for s in specs]
     # every module loaded up front (the plugins call this outside enqueue, so capture never sees a module load)
     lines += ["static inline CUresult bp_load_kernels(void) {", "  CUresult r = CUDA_SUCCESS;"]
     lines += [f"  if ((r = {s['name']}_load()) != CUDA_SUCCESS) return r;" for s in specs]
@@ -301,8 +414,14 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
     capability = int(arch[3:].rstrip("a"))
     group = min(recipe.kv_cache.group_size, head_size)
     dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(cfg.get("dtype"), "fp16")  # fp32 models run fp16 on GPU
-    model = {"head_size": head_size, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-             "page_size": recipe.kv_cache.page_size, "group_size": group, "dtype": dtype}
+    model = {
+        "head_size": head_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "page_size": recipe.kv_cache.page_size,
+        "group_size": group,
+        "dtype": dtype,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     why = paged.check_shape(head_size, group)
     if why is None and capability < 80:
@@ -314,8 +433,9 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
 
     specs = aot_specs(head_size, group, recipe.kv_cache.page_size, heads // kv_heads, dtype)
     source = Path(paged.__file__).read_bytes()
-    key = hashlib.sha256(source + paged.triton.__version__.encode() + arch.encode()
-                         + json.dumps(specs, sort_keys=True).encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        source + paged.triton.__version__.encode() + arch.encode() + json.dumps(specs, sort_keys=True).encode()
+    ).hexdigest()[:20]
     cached = _cache_root() / key
     t0 = time.perf_counter()
     hit = (cached / "done").is_file()
@@ -326,9 +446,12 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
         tmp.mkdir(parents=True)
         job = tmp / "job.json"
         job.write_text(json.dumps({"out_dir": str(tmp), "capability": capability, "specs": specs}))
-        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp / ".triton"),
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                               os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            TRITON_INTERPRET="0",
+            TRITON_CACHE_DIR=str(tmp / ".triton"),
+            PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+        )
         _run_compiler(job, env)
         shutil.rmtree(tmp / ".triton", ignore_errors=True)
         job.unlink()
@@ -346,18 +469,37 @@ def compile_engine_kernels(stage_dir: Path, recipe, out_dir: Path) -> dict:
         for ext in ("cubin", "ptx", "c", "h"):  # (bp_kernels.h is listed below)
             shutil.copy2(cached / f"{name}.{ext}", out_dir / f"{name}.{ext}")
             files[ext] = {"path": f"{name}.{ext}", "sha256": _sha256(out_dir / f"{name}.{ext}")}
-        kernels.append({"name": name, "kernel": _KERNELS[spec["kernel"]], "constexprs": spec["constexprs"],
-                        "signature": [list(x) for x in meta["signature"]], "num_warps": spec["num_warps"],
-                        "num_stages": spec["num_stages"], "shared_bytes": meta["shared"],
-                        "launch": f"{name}_launch(CUstream, gridX, gridY, gridZ, <signature>)", "files": files})
+        kernels.append(
+            {
+                "name": name,
+                "kernel": _KERNELS[spec["kernel"]],
+                "constexprs": spec["constexprs"],
+                "signature": [list(x) for x in meta["signature"]],
+                "num_warps": spec["num_warps"],
+                "num_stages": spec["num_stages"],
+                "shared_bytes": meta["shared"],
+                "launch": f"{name}_launch(CUstream, gridX, gridY, gridZ, <signature>)",
+                "files": files,
+            }
+        )
     _write_kernels_header(out_dir, specs, model, gqa=heads // kv_heads)
     check = check_launchers(out_dir)
     files_extra = {"bp_kernels.h": _sha256(out_dir / "bp_kernels.h")}
-    record = {"status": "compiled", "arch": arch, "headers": files_extra, "target": f"cuda:{capability} (Triton emits sm_{capability}a)",
-              "triton_version": paged.triton.__version__, "source_sha256": hashlib.sha256(source).hexdigest(),
-              "model": model, "kernels": kernels, "launcher_check": check}
+    record = {
+        "status": "compiled",
+        "arch": arch,
+        "headers": files_extra,
+        "target": f"cuda:{capability} (Triton emits sm_{capability}a)",
+        "triton_version": paged.triton.__version__,
+        "source_sha256": hashlib.sha256(source).hexdigest(),
+        "model": model,
+        "kernels": kernels,
+        "launcher_check": check,
+    }
     (out_dir / "kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    detail = (f"{len(kernels)} kernels for {arch} (D={head_size}, group {group}, page {recipe.kv_cache.page_size}, "
-              f"GQA {heads // kv_heads}, {dtype}) {'from cache' if hit else f'compiled in {compile_s:.1f}s'}; "
-              f"launchers: {check['status']}" + (f" ({check['reason']})" if check["status"] == "skipped" else ""))
+    detail = (
+        f"{len(kernels)} kernels for {arch} (D={head_size}, group {group}, page {recipe.kv_cache.page_size}, "
+        f"GQA {heads // kv_heads}, {dtype}) {'from cache' if hit else f'compiled in {compile_s:.1f}s'}; "
+        f"launchers: {check['status']}" + (f" ({check['reason']})" if check["status"] == "skipped" else "")
+    )
     return {"detail": detail, "status": "compiled", "cached": hit, "launcher_check": check["status"]}

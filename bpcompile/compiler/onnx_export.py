@@ -13,6 +13,7 @@ The graphs are traced from the runtime's own module tree (`Llama`'s blocks and t
 TorchScript-based exporter: its autograd-Function `symbolic` hook emits a custom node in one line, where the
 torch.export-based exporter needs a torch.library op, a fake kernel and an onnxscript translation per op.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -43,11 +44,17 @@ class _Node(torch.autograd.Function):
     @staticmethod
     def symbolic(g, op: str, attrs: tuple, n_out: int, *tensors):
         kw = {f"{k}_{'f' if k in ops.FLOAT_FIELDS else 'i'}": v for k, v in attrs}
-        out = g.op(f"{ops.DOMAIN}::{op}", *tensors, plugin_version_s=ops.PLUGIN_VERSION,
-                   plugin_namespace_s=ops.PLUGIN_NAMESPACE, outputs=n_out, **kw)
+        out = g.op(
+            f"{ops.DOMAIN}::{op}",
+            *tensors,
+            plugin_version_s=ops.PLUGIN_VERSION,
+            plugin_namespace_s=ops.PLUGIN_NAMESPACE,
+            outputs=n_out,
+            **kw,
+        )
         outs = out if n_out > 1 else (out,)
         # appends return the pools (same types as their inputs); attention returns q's type
-        like = tensors[3:3 + n_out] if n_out > 1 else tensors[:1]
+        like = tensors[3 : 3 + n_out] if n_out > 1 else tensors[:1]
         for o, t in zip(outs, like):
             o.setType(t.type())
         return out
@@ -72,15 +79,18 @@ class StepGraph(torch.nn.Module):
         self.base = base
 
     def input_names(self) -> list[str]:
-        head = ["tokens", "last_index", "slots"] if self.kind == "prefill" else \
-            ["tokens", "positions", "slots", *ops.ATTENTION_META]
+        head = (
+            ["tokens", "last_index", "slots"]
+            if self.kind == "prefill"
+            else ["tokens", "positions", "slots", *ops.ATTENTION_META]
+        )
         return head + list(ops.pool_names(self.store)) + list(ops.tables_of(self.store))
 
     def output_names(self) -> list[str]:
         return ["logits"] + [f"{n}_out" for n in ops.pool_names(self.store)]
 
     def _attrs(self, op: str, layer: int) -> tuple:
-        vals = {**self.base, "layer": layer, "num_splits": 0, "sm_scale": self.model.cfg.head_size ** -0.5}
+        vals = {**self.base, "layer": layer, "num_splits": 0, "sm_scale": self.model.cfg.head_size**-0.5}
         return tuple((k, vals[k]) for k in ops.FIELDS[op])
 
     def forward(self, *inputs):
@@ -101,8 +111,9 @@ class StepGraph(torch.nn.Module):
             if self.quant and store.transformed:  # centering, channel scale, rotation: plain graph arithmetic
                 k, v = (t.to(k.dtype) for t in store.transform(layer, k, v))
             extra = tables if self.quant else []
-            pools[:] = _Node.apply(self.append_op, self._attrs(self.append_op, layer), self.n_pools, k, v, slots,
-                                   *pools, *extra)
+            pools[:] = _Node.apply(
+                self.append_op, self._attrs(self.append_op, layer), self.n_pools, k, v, slots, *pools, *extra
+            )
 
         def attend_prefill(layer, q, k, v):
             append(layer, k, v)
@@ -122,7 +133,7 @@ class StepGraph(torch.nn.Module):
             h = blk(h, cos, sin, i, attend)
         if self.kind == "prefill":
             h = h[torch.arange(B), x["last_index"]][:, None]
-        logits = model.head(rms_norm(h, model.norm, c.norm_eps))[..., :c.vocab_size].float()
+        logits = model.head(rms_norm(h, model.norm, c.norm_eps))[..., : c.vocab_size].float()
         return (logits[:, 0] if self.kind == "prefill" else logits, *pools)
 
 
@@ -132,20 +143,37 @@ def _example(graph: StepGraph) -> tuple:
     ps = store.page_size
     tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
     slots = torch.tensor([ps, ps + 1, ps + 2, 2 * ps, 2 * ps + 1, 2 * ps + 2])
-    head = [tokens, torch.tensor([2, 2]), slots] if graph.kind == "prefill" else [
-        tokens, torch.tensor([[0, 1, 2], [0, 1, 2]]), slots, torch.tensor([[1], [2]], dtype=torch.int32),
-        torch.tensor([0, 0], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32),
-        torch.tensor([3, 3], dtype=torch.int32), torch.tensor([[[1], [3], [7]]] * 2, dtype=torch.int32)]
+    head = (
+        [tokens, torch.tensor([2, 2]), slots]
+        if graph.kind == "prefill"
+        else [
+            tokens,
+            torch.tensor([[0, 1, 2], [0, 1, 2]]),
+            slots,
+            torch.tensor([[1], [2]], dtype=torch.int32),
+            torch.tensor([0, 0], dtype=torch.int32),
+            torch.tensor([3, 3], dtype=torch.int32),
+            torch.tensor([3, 3], dtype=torch.int32),
+            torch.tensor([[[1], [3], [7]]] * 2, dtype=torch.int32),
+        ]
+    )
     return tuple(head + ops.pools_of(store) + list(ops.tables_of(store).values()))
 
 
 def _dynamic_axes(graph: StepGraph) -> dict:
     pages = 0 if graph.quant else 1  # quantized pools [P, U, S, X]; float pools [L, P, KV, S, D]
-    ax = {"tokens": {0: "batch", 1: "tokens"}, "positions": {0: "batch", 1: "tokens"}, "slots": {0: "entries"},
-          "last_index": {0: "batch"}, "block_tables": {0: "batch", 1: "pages_per_sequence"},
-          "context_lens": {0: "batch"}, "tree_lens": {0: "batch"}, "q_lens": {0: "batch"},
-          "tree_mask": {0: "batch", 1: "tokens", 2: "mask_words"},
-          "logits": {0: "batch"} if graph.kind == "prefill" else {0: "batch", 1: "tokens"}}
+    ax = {
+        "tokens": {0: "batch", 1: "tokens"},
+        "positions": {0: "batch", 1: "tokens"},
+        "slots": {0: "entries"},
+        "last_index": {0: "batch"},
+        "block_tables": {0: "batch", 1: "pages_per_sequence"},
+        "context_lens": {0: "batch"},
+        "tree_lens": {0: "batch"},
+        "q_lens": {0: "batch"},
+        "tree_mask": {0: "batch", 1: "tokens", 2: "mask_words"},
+        "logits": {0: "batch"} if graph.kind == "prefill" else {0: "batch", 1: "tokens"},
+    }
     for n in ops.pool_names(graph.store):
         ax[n] = ax[f"{n}_out"] = {pages: "pages"}
     names = set(graph.input_names()) | set(graph.output_names())
@@ -163,14 +191,28 @@ def export_model(model: Llama, store, out_dir: Path, max_positions: int) -> dict
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notes
             raw = Path(tmp) / "graph.onnx"
-            torch.onnx.export(graph, _example(graph), str(raw), dynamo=False, opset_version=OPSET,
-                              input_names=graph.input_names(), output_names=graph.output_names(),
-                              dynamic_axes=_dynamic_axes(graph), custom_opsets={ops.DOMAIN: 1})
+            torch.onnx.export(
+                graph,
+                _example(graph),
+                str(raw),
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=graph.input_names(),
+                output_names=graph.output_names(),
+                dynamic_axes=_dynamic_axes(graph),
+                custom_opsets={ops.DOMAIN: 1},
+            )
             m = onnx.load(str(raw))
         m.doc_string = f"bpcompile {kind} graph: custom ops per bpcompile/runtime/plugin_ops.py"
         path = out_dir / f"{kind}.onnx"
-        onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{kind}.weights", size_threshold=1024)
+        onnx.save_model(
+            m,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"{kind}.weights",
+            size_threshold=1024,
+        )
         (out_dir / f"{kind}.weights").chmod(0o644)  # onnx creates it owner-only; the version is read by servers
         files[kind] = path.name
     return files
@@ -207,5 +249,8 @@ def export_engine(engine_dir: str | Path) -> dict:
             custom = sorted({n.op_type for n in m.graph.node if n.domain == ops.DOMAIN})
             nodes[f"{role}/{kind}"] = custom
             size += sum(f.stat().st_size for f in path.parent.glob(f"{kind}.*"))
-    return {"detail": f"{sum(len(g) for g in files.values())} graphs, {size / 1e6:.1f} MB, custom ops "
-                      f"{sorted({o for v in nodes.values() for o in v})}", "graphs": nodes}
+    return {
+        "detail": f"{sum(len(g) for g in files.values())} graphs, {size / 1e6:.1f} MB, custom ops "
+        f"{sorted({o for v in nodes.values() for o in v})}",
+        "graphs": nodes,
+    }
