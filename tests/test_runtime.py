@@ -304,7 +304,7 @@ def test_rows_layout_computes_what_plain_does(pair, tied, layout):
     if tied:
         w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")
     plain, m = Llama(CFG, w), Llama(CFG, w)
-    assert m.pack_for_cpu(layout) and {type(x).__name__ for x in m.modules()} & {"_Linear", "PackedLinear"} == set()
+    assert m.pack_for_cpu(layout) and {type(x).__name__ for x in m.modules()} & {"Linear", "PackedLinear"} == set()
     lins = [x for x in m.modules() if type(x) is RowsLinear]
     for attr in ("w", "wt") if layout == "both" else ("w",):
         ws = [getattr(x, attr) for x in lins]
@@ -348,7 +348,7 @@ def test_packed_weights_compute_what_plain_ones_do(pair, tied, monkeypatch):
     monkeypatch.setattr(cpu_rows, "available", lambda: False)  # both as where the few-row kernel cannot be built
     assert plain.tied == tied and packed.pack_for_cpu("packed") and both.pack_for_cpu("both")
     for m in (packed, both):
-        assert {type(x).__name__ for x in m.modules()} & {"_Linear"} == set()
+        assert {type(x).__name__ for x in m.modules()} & {"Linear"} == set()
     assert packed.head.wt is None and both.head.wt is not None
     # the plain copies sit in one buffer, in the order a forward reads them
     plains = [m.wt for m in both.modules() if type(m) is PackedLinear]
@@ -927,7 +927,7 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     # engines run on CPU with the few-row kernel where it builds, else oneDNN-packed weights (runtime.cpu_weights;
     # see test_rows_kernel_... and test_packed_weights_...)
     few = "RowsLinear" if cpu_rows.available() else "PackedLinear"
-    kinds = {"both": few, "rows": few, "packed": "PackedLinear", "plain": "_Linear"}
+    kinds = {"both": few, "rows": few, "packed": "PackedLinear", "plain": "Linear"}
     if cpu_packing_works():
         assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == kinds["both"]
         assert gen.verifier.head.wt is not None  # the plain layout for single rows

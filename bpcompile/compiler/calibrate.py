@@ -285,7 +285,7 @@ def query_aware_key_scale(q: torch.Tensor, k: torch.Tensor, alpha: float = 1.0) 
     return (c / torch.exp(torch.log(c).mean())).float()
 
 
-class _LayerProbe:
+class LayerProbe:
     """Error of one layer's attention output (after the output projection) when one unit is perturbed."""
 
     def __init__(self, verifier: Llama, layer: int, q, k, v):
@@ -329,7 +329,7 @@ def measure_units(verifier: Llama, samples: list[list[int]], cfg: KVCalibConfig)
     grad_sq = kv_loss_grad_sq(verifier, samples)
     tokens = sum(len(s) for s in samples)
     for layer, q, k, v in capture_qkv(verifier, samples):
-        probe = _LayerProbe(verifier, layer, q, k, v)
+        probe = LayerProbe(verifier, layer, q, k, v)
         for kv, name in ((0, "k"), (1, "v")):
             for h in range(c.num_kv_heads):
                 x = (k if kv == 0 else v)[:, :, h]

@@ -133,7 +133,7 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return out.transpose(1, 2)
 
 
-class _Linear(torch.nn.Module):
+class Linear(torch.nn.Module):
     """y = x W^T + b with W kept transposed ([in, out], contiguous) as a buffer: on CPU a one-token x @ W^T
     is a faster GEMV than F.linear over W [out, in] (an earlier profile found up to 1.4x for a large LM head).
     Inference only; moved by `.to()` like any module state."""
@@ -153,13 +153,13 @@ class _Linear(torch.nn.Module):
 
 
 class PackedLinear(torch.nn.Module):
-    """A `_Linear` whose weight oneDNN has reordered into its blocked layout (CPU), multiplied by oneDNN's own
+    """A `Linear` whose weight oneDNN has reordered into its blocked layout (CPU), multiplied by oneDNN's own
     kernel. Why: a tree verify multiplies 2-12 rows at a time, and for those PyTorch's BLAS path over a plain
     layout was slow (on an AMD EPYC VM at 2 threads: the 576 x 3072 MLP matrix 1.1 ms for 6 rows against 0.17 ms
     for one; the 49152-row head 29 ms against 6 ms; packed 0.24 ms and 9 ms; on an Intel Xeon with AMX all of
     SmolLM2's matrices, as a decode step streams them, 28 ms packed against 39 ms plain for 6 rows).
 
-    keep_plain (float32): also keep the plain layout and multiply a single row with it, as `_Linear` does: for one
+    keep_plain (float32): also keep the plain layout and multiply a single row with it, as `Linear` does: for one
     row the packed kernel was slower on the Intel Xeon (37 ms against 27 ms for a SmolLM2 forward), no faster on
     the AMD EPYC. It costs a second copy of the weight. The packed tensor is opaque: `weight` returns a dense copy,
     so editing it does not edit the model.
@@ -167,7 +167,7 @@ class PackedLinear(torch.nn.Module):
     dtype bfloat16 stores the weight in bfloat16 and multiplies bfloat16-rounded inputs, returning float32 (the
     bias is added in float32): half the bytes to read, for a draft, whose rounding changes only what it proposes."""
 
-    def __init__(self, lin: _Linear, dtype: torch.dtype = torch.float32, keep_plain: bool = False):
+    def __init__(self, lin: Linear, dtype: torch.dtype = torch.float32, keep_plain: bool = False):
         super().__init__()
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(lin.weight.to(dtype).contiguous(), None))
         self.register_buffer("bias", lin.bias)
@@ -191,17 +191,17 @@ class PackedLinear(torch.nn.Module):
 
 
 class RowsLinear(torch.nn.Module):
-    """A float32 `_Linear` on CPU with its weight in the plain [out, in] layout, multiplied by bpcompile's kernel
+    """A float32 `Linear` on CPU with its weight in the plain [out, in] layout, multiplied by bpcompile's kernel
     for a few rows (`kernels/cpu_rows.c`: up to 16, a tree verify or a batch of them) and by PyTorch beyond (a
     prompt). On an Intel Xeon with AMX at 2 threads, all of SmolLM2's matrices as a decode step streams them:
     24.8 ms for six rows (oneDNN packed 32.8, PyTorch plain 41.8), 30.3 for twelve (43.0 / 62.7), 20.0 for one
     (PyTorch's GEMV over the transposed layout 19.4). A row's result does not depend on how many rows (up to 16)
     are multiplied with it.
 
-    keep_plain: also keep the transposed copy `wt` that `_Linear` multiplies one row with (PyTorch's GEMV, the
+    keep_plain: also keep the transposed copy `wt` that `Linear` multiplies one row with (PyTorch's GEMV, the
     ~3% faster single row above), at the cost of a second copy of the weight."""
 
-    def __init__(self, lin: _Linear, keep_plain: bool = False):
+    def __init__(self, lin: Linear, keep_plain: bool = False):
         super().__init__()
         self.register_buffer("w", lin.weight.contiguous())
         self.register_buffer("wt", lin.wt if keep_plain else None)
@@ -235,7 +235,7 @@ def cpu_packing_works(dtype: torch.dtype = torch.float32) -> bool:
         g = torch.Generator().manual_seed(0)
         w, x = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
-        return torch.allclose(PackedLinear(_Linear(w), dtype)(x), x @ w.t(), rtol=tol, atol=tol)
+        return torch.allclose(PackedLinear(Linear(w), dtype)(x), x @ w.t(), rtol=tol, atol=tol)
     except (RuntimeError, AttributeError):
         return False
 
@@ -254,7 +254,7 @@ class RowParallel(torch.nn.Module):
     """A linear whose input features are split over the ranks of `group`: each rank multiplies its slice, the
     partial products are summed over the ranks (one all-reduce), the bias is added once, after."""
 
-    def __init__(self, lin: _Linear, group):
+    def __init__(self, lin: Linear, group):
         super().__init__()
         self.register_buffer("bias", lin.bias)  # added once, after the sum: the slice's product has none
         lin.bias = None
@@ -275,7 +275,7 @@ class VocabParallelHead(torch.nn.Module):
     """The output head split over the vocabulary (rows zero-padded to a multiple of tp): each rank computes its
     slice of the logits, one all-gather puts them side by side."""
 
-    def __init__(self, lin: _Linear, group, tp: int):
+    def __init__(self, lin: Linear, group, tp: int):
         super().__init__()
         self.mm = lin
         self.group, self.tp = group, tp
@@ -299,15 +299,15 @@ class Block(torch.nn.Module):
         self.cfg = cfg
         self.register_buffer("attn_norm", w[p + "input_layernorm.weight"])
         self.register_buffer("mlp_norm", w[p + "post_layernorm.weight"])
-        self.qkv = _Linear(w[p + "attention.qkv.weight"], w.get(p + "attention.qkv.bias"))
-        self.o = _Linear(w[p + "attention.dense.weight"], w.get(p + "attention.dense.bias"))
+        self.qkv = Linear(w[p + "attention.qkv.weight"], w.get(p + "attention.qkv.bias"))
+        self.o = Linear(w[p + "attention.dense.weight"], w.get(p + "attention.dense.bias"))
         # TRT-LLM naming: mlp.fc = HF gate_proj, mlp.gate = HF up_proj
         fc_b, up_b = w.get(p + "mlp.fc.bias"), w.get(p + "mlp.gate.bias")
-        self.gate_up = _Linear(
+        self.gate_up = Linear(
             torch.cat((w[p + "mlp.fc.weight"], w[p + "mlp.gate.weight"])),
             torch.cat((fc_b, up_b)) if fc_b is not None else None,
         )
-        self.down = _Linear(w[p + "mlp.proj.weight"], w.get(p + "mlp.proj.bias"))
+        self.down = Linear(w[p + "mlp.proj.weight"], w.get(p + "mlp.proj.bias"))
 
     def weights(self, p: str) -> dict[str, torch.Tensor]:
         """This layer's tensors under TensorRT-LLM names (gate/up as views of the fused matrix)."""
@@ -348,15 +348,15 @@ def cpu_layout(model: torch.nn.Module) -> str:
         return "both" if head.wt is not None else "rows"
     if kind == "PackedLinear":
         return "both-packed" if head.wt is not None else "packed"
-    return "plain" if kind == "_Linear" else kind
+    return "plain" if kind == "Linear" else kind
 
 
-def _swap_linears(module: torch.nn.Module, make: Callable[[_Linear], torch.nn.Module]) -> list[torch.nn.Module]:
+def _swap_linears(module: torch.nn.Module, make: Callable[[Linear], torch.nn.Module]) -> list[torch.nn.Module]:
     """Replace every plain linear of `module` with make(linear); returns the new modules in forward order."""
     new = set()
     for mod in list(module.modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is _Linear:
+            if type(child) is Linear:
                 setattr(mod, name, make(child))
                 new.add(id(getattr(mod, name)))
     return [m for m in module.modules() if id(m) in new]
@@ -416,7 +416,7 @@ class Llama(torch.nn.Module):
         # matrix: the head holds it, the embedding is a view of it.
         emb = w["transformer.vocab_embedding.weight"]
         self.tied = "lm_head.weight" not in w
-        self.head = _Linear(emb if self.tied else w["lm_head.weight"])
+        self.head = Linear(emb if self.tied else w["lm_head.weight"])
         self.register_buffer("embedding", None if self.tied else emb)
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # cos, sin tables [n, D] (sin sign-folded)
 
@@ -576,7 +576,7 @@ class FeatureDraft(torch.nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         w = {k: v.to(dtype) for k, v in weights.items()}
-        self.fc = _Linear(w["fc.weight"], w.get("fc.bias"))
+        self.fc = Linear(w["fc.weight"], w.get("fc.bias"))
         self.layers = torch.nn.ModuleList(Block(cfg, w, f"transformer.layers.{i}.") for i in range(cfg.num_layers))
         object.__setattr__(self, "verifier", verifier)
         # vocab_subset: the draft proposes only these token ids (the verifier's head rows for them, copied): a
@@ -593,7 +593,7 @@ class FeatureDraft(torch.nn.Module):
             ):
                 raise ValueError(f"vocab_subset must be distinct token ids in [0, {cfg.vocab_size})")
             self.register_buffer("vocab_subset", ids)
-            self.sub_head = _Linear(verifier.lm_head[: cfg.vocab_size][ids].to(dtype))
+            self.sub_head = Linear(verifier.lm_head[: cfg.vocab_size][ids].to(dtype))
         else:
             self.vocab_subset = self.sub_head = None
 
