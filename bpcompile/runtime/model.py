@@ -559,7 +559,7 @@ class FeatureDraft(torch.nn.Module):
     shares the verifier's embedding, head and rotary tables (kept as a plain reference, not a submodule: moving
     or packing the verifier covers them), so it costs a few layers plus the verifier's head per row.
 
-    On disk (`scripts/train_smollm2_feature_draft.py` writes it): `config.json` ({"architecture":
+    On disk (`tools/train_smollm2_feature_draft.py` writes it): `config.json` ({"architecture":
     "FeatureDraft", "num_layers", "intermediate_size"}; the rest is the verifier's) and `model.safetensors`
     (`fc.weight` [hidden, 2*hidden], `fc.bias`, `transformer.layers.{i}.*` under TensorRT-LLM names, and
     optionally `vocab_subset` [N] int64: the token ids it may propose).

@@ -1,9 +1,9 @@
 """Train the SmolLM2 feature draft (models/smollm2/feature_draft): one decoder layer on the verifier's features.
 
-    .venv/bin/python scripts/train_smollm2_feature_draft.py   # ~33 min on 2 CPU cores (AMD Zen 5): 17 for the
+    .venv/bin/python tools/train_smollm2_feature_draft.py   # ~33 min on 2 CPU cores (AMD Zen 5): 17 for the
                                                               # verifier's answers and features (cached), 16 for
                                                               # 16 epochs; about twice that on an older AVX2 core
-    .venv/bin/python scripts/train_smollm2_feature_draft.py --quick --out /tmp/fd   # smoke run
+    .venv/bin/python tools/train_smollm2_feature_draft.py --quick --out /tmp/fd   # smoke run
 
 What it is (`bpcompile.runtime.model.FeatureDraft`, the EAGLE idea): the row of token x_i reads
 fc([embedding(x_i), f_{i-1}]), f being the verifier's final hidden state after its norm, goes through one decoder
@@ -29,11 +29,9 @@ where the draft reads its own predicted features (a chain's acceptance).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -41,13 +39,11 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import distill_smollm2_draft as distill  # noqa: E402  (this folder: the draft distiller's data helpers)
+
 from bpcompile.compiler import corpus  # noqa: E402
 from bpcompile.runtime.model import apply_rope, causal_attend, rms_norm  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("distill", ROOT / "scripts" / "distill_smollm2_draft.py")
-distill = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(distill)
 log, cached = distill.log, distill.cached
 
 VERIFIER = ROOT / "models" / "smollm2" / "verifier"

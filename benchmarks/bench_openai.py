@@ -2,7 +2,7 @@
 tritonserver on an emitted repository, the endpoint in this process, `bench_remote` against both alternately
 (repeats interleaved so drift hits both), closed-loop clients at each concurrency.
 
-    .venv/bin/python scripts/bench_openai.py triton_repo/ --concurrency 1,4 --requests 16 --max-tokens 32 --repeats 3
+    .venv/bin/python benchmarks/bench_openai.py triton_repo/ --concurrency 1,4 --requests 16 --max-tokens 32 --repeats 3
 
 Prints a markdown table: per protocol and concurrency, median [min, max] over repeats of TTFT p50, time per
 output token p50 and output tokens/s."""
@@ -13,8 +13,6 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bpcompile.serving.client import DEFAULT_PROMPTS, bench_remote  # noqa: E402
 from bpcompile.serving.openai_frontend import OpenAIFrontend  # noqa: E402

@@ -2,7 +2,7 @@
 runtime.onnx: true (its exported graphs), speculation on, for the engine's own KV cache (its calibrated plan,
 or FP16).
 
-    .venv/bin/python scripts/check_onnx_executor.py engines/smollm2/1 --prompts 8 --tokens 32
+    .venv/bin/python benchmarks/check_onnx_executor.py engines/smollm2/1 --prompts 8 --tokens 32
 
 Both Generators use small limits (the Python-op bridge copies the whole pool on every call) and the engine's
 tree; prompts are the chat-templated builtin pydoc held-out questions' openings. Prints per prompt whether the
@@ -15,8 +15,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bpcompile.core.engine import EngineConfig  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams  # noqa: E402

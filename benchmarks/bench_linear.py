@@ -1,6 +1,6 @@
 """Time one linear layer the ways the CPU runtime could run it, for the row counts a decode step multiplies.
 
-    .venv/bin/python scripts/bench_linear.py --threads 2
+    .venv/bin/python benchmarks/bench_linear.py --threads 2
 
 Rows: 1 (verifier-only decode), 2-12 (a speculation tree's tokens, or a small batch). Shapes: SmolLM2-135M's fused
 QKV, fused gate/up, down projection and tied 49152-row head, and the 2-layer draft's 256-wide head. Columns:
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bpcompile.runtime.model import PackedLinear, _Linear
+from bpcompile.runtime.model import Linear, PackedLinear
 
 SHAPES = {
     "qkv 576->960": (576, 960),
@@ -56,7 +56,7 @@ def main() -> None:
     )
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, generator=g) * k**-0.5
-        plain, packed = _Linear(w), PackedLinear(_Linear(w))
+        plain, packed = Linear(w), PackedLinear(Linear(w))
         for m in map(int, a.rows.split(",")):
             x = torch.randn(m, k, generator=g)
             assert torch.allclose(plain(x), packed(x), rtol=1e-4, atol=1e-4)

@@ -6,8 +6,8 @@ more memory than one tensor. Then, alternating, repeats: `cp` of the shards, con
 conversion at tp=2, each in its own process, and reports the median wall time and each process's
 peak RSS (os.wait4 gives the rusage of that one child). Everything under /tmp is removed at the end.
 
-    .venv/bin/python scripts/bench_convert.py            # ~4.3 GB, 3 repetitions
-    .venv/bin/python scripts/bench_convert.py --layers 1 --reps 1   # quick smoke run
+    .venv/bin/python benchmarks/bench_convert.py            # ~4.3 GB, 3 repetitions
+    .venv/bin/python benchmarks/bench_convert.py --layers 1 --reps 1   # quick smoke run
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from bpcompile.compiler.convert import RankWriter  # noqa: E402  (the same streaming writer the converter uses)
 
 # Llama-3-8B shapes

@@ -2,10 +2,10 @@
 in-process (bpcompile.runtime.Generator), at concurrency 1 and 8, with speculation on (the recipe's tree) and
 off (verifier only).
 
-    .venv/bin/python scripts/bench_serving.py --engine engines/tiny/1 --json out.json
+    .venv/bin/python benchmarks/bench_serving.py --engine engines/tiny/1 --json out.json
 
-Without --engine an engine version is made from models/tiny (or small random models while the tiny pair is not
-there: tests/serving_fixtures.py) in a temporary directory. Greedy decoding, fixed max_tokens, closed loop.
+--engine is a built engine version (`bpcompile build recipes/tiny.yaml` publishes engines/tiny/N). Greedy decoding,
+fixed max_tokens, closed loop.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bpcompile.serving.client import DEFAULT_PROMPTS, bench_remote  # noqa: E402
 from bpcompile.serving.emit import emit_repository  # noqa: E402
@@ -70,7 +68,7 @@ def in_process(engine: Path, tree, prompts, concurrency: int, n: int, max_tokens
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", type=Path, help="engine version directory (default: made from models/tiny)")
+    ap.add_argument("--engine", type=Path, required=True, help="engine version directory, e.g. engines/tiny/1")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -79,11 +77,6 @@ def main():
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     engine = a.engine
-    if engine is None:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from serving_fixtures import make_engine
-
-        engine = make_engine(tmp / "engine" / "1")
     results = {
         "engine": str(engine),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",

@@ -2,12 +2,12 @@
 for token, on held-out chat prompts (FP16 KV; models as engines run them on CPU, `runtime.cpu_weights` both:
 bpcompile's few-row kernel, or oneDNN-packed where it cannot be built, for several rows, plain for one).
 
-    .venv/bin/python scripts/check_smollm2_speculation.py --prompts 50 --max-tokens 64
-    .venv/bin/python scripts/check_smollm2_speculation.py --feature-draft models/smollm2/feature_draft
+    .venv/bin/python benchmarks/check_smollm2_speculation.py --prompts 50 --max-tokens 64
+    .venv/bin/python benchmarks/check_smollm2_speculation.py --feature-draft models/smollm2/feature_draft
 
 Prompts: the benchmark's held-out chat prompts (48 fit 256 tokens), topped up with chat requests to continue
 48-token held-out windows. Prints per tree the prompts whose continuation is identical, the first differing token of the others, and τ
-(tokens per verifier step). Exit code 1 if any prompt differs. No timing: scripts/bench_smollm2.py times.
+(tokens per verifier step). Exit code 1 if any prompt differs. No timing: benchmarks/bench_smollm2.py times.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 from bench_smollm2 import prompts  # noqa: E402  (the benchmark's held-out chat prompts)

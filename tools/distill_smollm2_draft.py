@@ -1,8 +1,8 @@
 """Distil the shipped SmolLM2 draft (models/smollm2/draft) from the SmolLM2-135M-Instruct verifier.
 
-    .venv/bin/python scripts/get_smollm2.py                 # the verifier checkpoint, once
-    .venv/bin/python scripts/distill_smollm2_draft.py       # ~25 min on 2 (shared) CPU cores
-    .venv/bin/python scripts/distill_smollm2_draft.py --quick --out /tmp/d   # smoke run (~3 min)
+    .venv/bin/python tools/get_smollm2.py                 # the verifier checkpoint, once
+    .venv/bin/python tools/distill_smollm2_draft.py       # ~25 min on 2 (shared) CPU cores
+    .venv/bin/python tools/distill_smollm2_draft.py --quick --out /tmp/d   # smoke run (~3 min)
 
 The draft is a plain `LlamaForCausalLM` (the runtime needs nothing new): 2 layers, hidden 256, 4 query /
 2 KV heads of size 64, tied embeddings, the verifier's tokenizer (vocab 49152). At this width the
@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from bpcompile.compiler import corpus
 
 VERIFIER = ROOT / "models" / "smollm2" / "verifier"
@@ -396,7 +395,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (a.verifier / "config.json").is_file():
-        sys.exit(f"error: no verifier checkpoint at {a.verifier}; run scripts/get_smollm2.py first")
+        sys.exit(f"error: no verifier checkpoint at {a.verifier}; run tools/get_smollm2.py first")
     t_start = time.time()
     tok = AutoTokenizer.from_pretrained(a.verifier)
     verifier = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.float32).eval()

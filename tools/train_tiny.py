@@ -1,8 +1,8 @@
 """Regenerate the shipped tiny draft/verifier pair (models/tiny/{verifier,draft}) from scratch.
 
-    .venv/bin/python scripts/train_tiny.py              # full run, ~15-25 min on 2 (shared) CPU cores
-    .venv/bin/python scripts/train_tiny.py --eval-only  # recompute models/tiny/metrics.json from the committed models
-    .venv/bin/python scripts/train_tiny.py --quick      # smoke run into a temp dir (~1 min)
+    .venv/bin/python tools/train_tiny.py              # full run, ~15-25 min on 2 (shared) CPU cores
+    .venv/bin/python tools/train_tiny.py --eval-only  # recompute models/tiny/metrics.json from the committed models
+    .venv/bin/python tools/train_tiny.py --quick      # smoke run into a temp dir (~1 min)
 
 Steps: byte-level BPE tokenizer (vocab 4096) on the train split of `bpcompile.compiler.corpus`; four small
 "tutor" models (2 layers, hidden 128) trained on next-token cross-entropy with different seeds; the
@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from bpcompile.compiler import corpus
 
 SEED = 1234

@@ -1,7 +1,7 @@
 """Speculative decoding on the tiny pair: bpcompile's runtime vs `transformers`, same machine, same prompts, greedy.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_speculative.py --out docs/benchmarks/speculative.md
-    .venv/bin/python scripts/bench_speculative.py            # prints the page instead
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_speculative.py --out docs/benchmarks/speculative.md
+    .venv/bin/python benchmarks/bench_speculative.py            # prints the page instead
 
 Rows: (a) verifier-only in this runtime, (b) chain 5, (c) static tree of 5 nodes, (d) dynamic tree of 5
 nodes, (e) transformers `generate(assistant_model=draft)`, (f) transformers plain `generate`. All at batch 1
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
 from bpcompile.compiler.corpus import heldout_prompts  # noqa: E402
@@ -318,12 +317,12 @@ def main():
             file=sys.stderr,
         )
 
-    cmd = "OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_speculative.py" + "".join(f" {x}" for x in sys.argv[1:])
+    cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_speculative.py" + "".join(f" {x}" for x in sys.argv[1:])
     md = [
         f"# Speculative decoding: tokens/s on {a.verifier} + {a.draft} (CPU)",
         "",
         "Prompts: windows of the builtin pydoc held-out split, whatever the pair (for a chat model, "
-        "`scripts/bench_smollm2.py` uses chat prompts).",
+        "`benchmarks/bench_smollm2.py` uses chat prompts).",
         "",
         f"Command: `{cmd}`",
         "",

@@ -1,8 +1,8 @@
 """The runtime's own cost per step: wall time of `Generator.step` minus the time spent inside the models'
 forward passes (attention and KV writes included: they run inside the forward), on SmolLM2-135M-Instruct.
 
-    .venv/bin/python scripts/bench_overhead.py                  # batch 8, 64 tokens, 3 repeats
-    .venv/bin/python scripts/bench_overhead.py --rows fp16      # one row
+    .venv/bin/python benchmarks/bench_overhead.py                  # batch 8, 64 tokens, 3 repeats
+    .venv/bin/python benchmarks/bench_overhead.py --rows fp16      # one row
 
 Rows: verifier only with an FP16 cache, verifier only with the default KV plan (calibrated here), dynamic
 tree of 5 with the shipped draft and an FP16 cache (back-off off, so every step drafts). Every row runs the
@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from bpcompile.compiler import corpus  # noqa: E402
 from bpcompile.compiler.calibrate import calibrate  # noqa: E402
@@ -96,7 +94,7 @@ def main() -> None:
     ap.add_argument("--rows", default="fp16,plan,dyn5")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    spec = importlib.util.spec_from_file_location("bench_smollm2", REPO / "scripts" / "bench_smollm2.py")
+    spec = importlib.util.spec_from_file_location("bench_smollm2", REPO / "benchmarks" / "bench_smollm2.py")
     smol = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smol)
     from transformers import AutoTokenizer
@@ -124,7 +122,7 @@ def main() -> None:
     }
     print(
         f"# Runtime overhead per step, SmolLM2-135M-Instruct, batch {a.batch} x {a.max_tokens} tokens\n\n"
-        f"Command: `.venv/bin/python scripts/bench_overhead.py --batch {a.batch} --max-tokens {a.max_tokens} "
+        f"Command: `.venv/bin/python benchmarks/bench_overhead.py --batch {a.batch} --max-tokens {a.max_tokens} "
         f"--repeats {a.repeats}`\n\nMachine: {platform.machine()}, {a.threads} threads, torch {torch.__version__}, "
         f"float32 weights (runtime.cpu_weights default, as engines run on CPU: {cpu_layout(v)}). Medians over decode "
         "steps; min..max over repeats.\n\n"

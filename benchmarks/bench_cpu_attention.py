@@ -2,12 +2,12 @@
 run, on the SmolLM2 pair: verifier-only decoding and feature-draft speculation (dynamic tree 5, back-off), FP16 KV,
 at batch 1 and a larger batch.
 
-    .venv/bin/python scripts/bench_cpu_attention.py                    # batch 1 and 8, 8 prompts x 32 tokens, 3 repeats
-    .venv/bin/python scripts/bench_cpu_attention.py --batches 8 --max-tokens 64 --repeats 5
+    .venv/bin/python benchmarks/bench_cpu_attention.py                    # batch 1 and 8, 8 prompts x 32 tokens, 3 repeats
+    .venv/bin/python benchmarks/bench_cpu_attention.py --batches 8 --max-tokens 64 --repeats 5
 
 Each configuration is one Generator (models as engines run them on CPU, `runtime.cpu_weights` both) with its
 executors' `few_query_kernel` switched on or off; every repeat times all of them on the same held-out chat prompts
-(scripts/bench_smollm2.py's), in an order reversed on odd repeats. Prints, per row, tokens/s with the kernel and
+(benchmarks/bench_smollm2.py's), in an order reversed on odd repeats. Prints, per row, tokens/s with the kernel and
 without, the median over repeats of the per-repeat speed-up with its min..max, and whether both produced the same
 tokens. No assertion on speed: a benchmark, not a test.
 """
@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_smollm2 import prompts  # noqa: E402  (the benchmark's held-out chat prompts)
 
@@ -45,7 +43,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1, help="prompt selection (scripts/bench_smollm2.py's default)")
+    ap.add_argument("--seed", type=int, default=1, help="prompt selection (benchmarks/bench_smollm2.py's default)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer

@@ -2,7 +2,7 @@
 identical prompts per tree, and for each divergence transformers' own top-2 logit gap at the first differing
 token in bf16 ulps of its top logit (<= 1: a tie that rounding decides).
 
-    .venv/bin/python scripts/check_bf16_parity.py --prompts 50 --tokens 32
+    .venv/bin/python benchmarks/check_bf16_parity.py --prompts 50 --tokens 32
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402

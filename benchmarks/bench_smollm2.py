@@ -1,8 +1,8 @@
 """Decode speed on the SmolLM2 pair: bpcompile's native runtime against transformers, side by side in one run.
 
-    .venv/bin/python scripts/bench_smollm2.py                         # prints a markdown table
-    .venv/bin/python scripts/bench_smollm2.py --json out.json --prompts 12 --repeats 3
-    .venv/bin/python scripts/bench_smollm2.py --rows plan,plan_codes --kv key_transform=klt   # an opt-in plan's speed
+    .venv/bin/python benchmarks/bench_smollm2.py                         # prints a markdown table
+    .venv/bin/python benchmarks/bench_smollm2.py --json out.json --prompts 12 --repeats 3
+    .venv/bin/python benchmarks/bench_smollm2.py --rows plan,plan_codes --kv key_transform=klt   # an opt-in plan's speed
 
 Every row decodes the same chat prompts (held-out pydoc instruction prompts through SmolLM2's chat template)
 greedily to exactly --max-tokens new tokens (no end token), batch 1, float32 weights (a feature draft packs its
@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from bpcompile.compiler import corpus
 from bpcompile.compiler.calibrate import calibrate  # noqa: E402
@@ -48,7 +47,7 @@ from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
 
 
 def _distill_module():
-    spec = importlib.util.spec_from_file_location("distill", REPO / "scripts" / "distill_smollm2_draft.py")
+    spec = importlib.util.spec_from_file_location("distill", REPO / "tools" / "distill_smollm2_draft.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -101,7 +100,7 @@ def main() -> None:
     ap.add_argument(
         "--feature-draft",
         default=str(REPO / "models/smollm2/feature_draft"),
-        help="the FeatureDraft for the feat_* rows (scripts/train_smollm2_feature_draft.py)",
+        help="the FeatureDraft for the feat_* rows (tools/train_smollm2_feature_draft.py)",
     )
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=256, help="longest prompt kept, in tokens")

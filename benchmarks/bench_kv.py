@@ -1,7 +1,7 @@
 """KV-cache fidelity benchmark on an HF verifier (default: the shipped tiny one).
 
-    .venv/bin/python scripts/bench_kv.py                      # tables for docs/benchmarks/kv_cache.md
-    .venv/bin/python scripts/bench_kv.py --ablations --json out.json
+    .venv/bin/python benchmarks/bench_kv.py                      # tables for docs/benchmarks/kv_cache.md
+    .venv/bin/python benchmarks/bench_kv.py --ablations --json out.json
 
 Converts the verifier (bpcompile.compiler.convert), calibrates on the corpus train split, evaluates on the
 held-out split: FP16 / FP8 / INT8 / naive INT4 / INT4 + FP8 outlier units at 0, 4, 8, 16%, on the model
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from bpcompile.compiler import corpus
 from bpcompile.compiler.calibrate import KVCalibConfig, measure_units, plan_from_measurement  # noqa: E402
 from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
@@ -84,7 +82,7 @@ def _nf4(x, clip):
 
 def study(model, calib, held, group_size):
     """Unit-level error of INT4 variants (same calibration search) and where top-1 disagreements happen."""
-    from bpcompile.compiler.calibrate import _LayerProbe, capture_qkv, key_channel_scale
+    from bpcompile.compiler.calibrate import LayerProbe, capture_qkv, key_channel_scale
     from bpcompile.eval.evaluate import cached_forward
     from bpcompile.runtime.kvcache import KVPlan, fake_quantize
 
@@ -102,7 +100,7 @@ def study(model, calib, held, group_size):
     }
     errs = {n: [] for n in variants}
     for layer, q, k, v in capture_qkv(model, calib):
-        probe = _LayerProbe(model, layer, q, k, v)
+        probe = LayerProbe(model, layer, q, k, v)
         for kv in (0, 1):
             for h in range(c.num_kv_heads):
                 x = (k if kv == 0 else v)[:, :, h]
