@@ -20,6 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bpcompile.core.errors import UserError
+from bpcompile.core.switches import build_options
 
 err = Console(stderr=True, highlight=False)
 
@@ -95,6 +96,7 @@ class _RichProgress:
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@build_options
 @click.option("--force", is_flag=True, help="Rebuild even if a version with the same build id exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
 def build(recipe, force, as_json):
@@ -116,6 +118,7 @@ def build(recipe, force, as_json):
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@build_options
 @click.option("--json", "as_json", is_flag=True)
 def validate(recipe, as_json):
     """Check RECIPE (types, paths, checkpoints, tokenizers, parallelism) without building."""

@@ -13,6 +13,7 @@ import click
 
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import engine_version_dir
+from bpcompile.core.switches import runtime_options
 
 
 def _device(value: str) -> str:
@@ -32,6 +33,7 @@ def _device(value: str) -> str:
 
 @click.command()
 @click.argument("engine", required=False)
+@runtime_options
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
 @click.option(
@@ -112,6 +114,7 @@ def _lengths(ctx, param, value):
 
 
 @click.command(name="eval")
+@runtime_options
 @click.argument("engine")
 @click.option(
     "--text",

@@ -85,11 +85,19 @@ def write_engine_config(engine_dir: Path, **sections) -> Path:
 
 
 def update_engine_config(engine_dir: Path, **sections) -> None:
-    """Replace top-level sections of an existing engine version's engine.json."""
+    """Replace top-level sections of an existing engine version's engine.json (and its manifest's record of it, so
+    the version still verifies)."""
     import json
+
+    from bpcompile.core.store import MANIFEST, sha256_file
 
     f = Path(engine_dir) / "engine.json"
     write_engine_config(engine_dir, **{**json.loads(f.read_text()), **sections})
+    m = Path(engine_dir) / MANIFEST
+    if m.is_file() and "engine.json" in json.loads(m.read_text()).get("artifacts", {}):  # as a rebuild would record
+        man = json.loads(m.read_text())
+        man["artifacts"]["engine.json"] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        m.write_text(json.dumps(man))
 
 
 # full-tensor renames (no sharding), an independent statement of what merge_ranks should give and its way back
@@ -181,3 +189,54 @@ def noisy_copy(model, noise: float, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     return Llama(model.cfg, {k: v + noise * v.std() * torch.randn(v.shape, generator=g) for k, v in model.w.items()})
+
+
+# Per-test timeouts (`@pytest.mark.timeout(N)`) are there to catch hangs, not slow machines: each N was set on a
+# quiet 2-core machine, and on a busy or slower one a healthy test can take several times as long. So every
+# timeout is scaled by how much slower than that machine this one runs at the start of the session (a short
+# single-threaded calibration, or the load average per core if that is higher), times 2 for drift during the run.
+# TIMEOUT_FACTOR=<x> sets the factor instead.
+CALIBRATION_REFERENCE_S = 0.15  # the calibration's time on the reference machine (2-core Xeon VM, load ~2)
+
+
+def _calibration_s() -> float:
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = math.inf
+        for _ in range(3):
+            t = time.perf_counter()
+            a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+            for _ in range(200):
+                a = torch.tanh(a @ a * 0.01)
+            s = 0
+            for i in range(300_000):
+                s += i * i
+            best = min(best, time.perf_counter() - t)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def timeout_factor() -> float:
+    import os
+
+    if os.environ.get("TIMEOUT_FACTOR"):
+        return float(os.environ["TIMEOUT_FACTOR"])
+    load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
+    return 2.0 * min(10.0, max(1.0, _calibration_s() / CALIBRATION_REFERENCE_S, load))
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [(item, item.get_closest_marker("timeout")) for item in items]
+    marked = [(item, m) for item, m in marked if m is not None and (m.args or "timeout" in m.kwargs)]
+    if not marked:
+        return
+    factor = timeout_factor()
+    config.timeout_factor = factor
+    for item, m in marked:
+        kwargs = dict(m.kwargs)
+        seconds = kwargs.pop("timeout") if "timeout" in kwargs else m.args[0]
+        item.add_marker(pytest.mark.timeout(seconds * factor, *m.args[1:], **kwargs), append=False)

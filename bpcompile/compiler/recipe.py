@@ -346,8 +346,9 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
                     ("limits", "max_batch_size"),
                     f"the native runtime's KV cache for max_batch_size={recipe.limits.max_batch_size} x "
                     f"max_seq_len={recipe.limits.max_seq_len} would take {need / 1e9:.1f} GB, more than this "
-                    f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len, or set "
-                    f"BPCOMPILE_KV_MEMORY_LIMIT to the serving machine's memory in bytes (0: no check)",
+                    f"machine's {have / 1e9:.1f} GB of memory; lower limits.max_batch_size or limits.max_seq_len, or pass "
+                    f"--kv-memory-limit (or set BPCOMPILE_KV_MEMORY_LIMIT) with the serving machine's memory in bytes "
+                    f"(0: no check)",
                 )
 
     if problems:

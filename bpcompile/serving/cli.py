@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from bpcompile.core.errors import UserError
+from bpcompile.core.switches import runtime_options
 
 
 def _policy(text: str):
@@ -110,6 +111,7 @@ def emit(
 
 @click.command()
 @click.argument("repo", default="triton_repo", type=click.Path(path_type=Path))
+@runtime_options
 @click.option("--http-port", default=8000, show_default=True, type=int)
 @click.option("--grpc-port", default=8001, show_default=True, type=int)
 @click.option("--metrics-port", default=8002, show_default=True, type=int)
