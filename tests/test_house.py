@@ -297,3 +297,11 @@ def test_readme_test_command_is_what_ci_runs():
     assert len(ci) == 1, ci
     readme = (REPO / "README.md").read_text()
     assert ci[0] in readme.splitlines(), f"README.md must show CI's command verbatim: {ci[0]}"
+
+
+@pytest.mark.timeout(7)
+def test_timeouts_scale_with_the_machine(request):
+    """tests/conftest.py scales every per-test timeout by the machine's measured slowness (at least 2x)."""
+    factor = request.config.timeout_factor
+    assert 2.0 <= factor <= 20.0
+    assert request.node.get_closest_marker("timeout").args[0] == pytest.approx(7 * factor)
