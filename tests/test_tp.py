@@ -5,6 +5,7 @@ KV plans sliced per rank. Built by the real build pipeline from real safetensors
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -252,3 +253,199 @@ def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path):
             assert generate_remote(s.grpc_url, x, N_TOKENS, stream=True)["token_ids"] == r
         assert "tp 2" in (tmp_path / "server.log").read_text()
     assert s.proc.returncode == 0 and workers() == []
+
+
+# --- the worker channel: private, pickle-free, bounded -------------------------------------------------------
+
+
+def test_no_pickle_crosses_between_ranks(tiny_tp2, monkeypatch):
+    """A tp=2 generate (speculation on) with pickle and torch.save/load made to fail in rank 0, where every call
+    to the workers is encoded; every broadcast is recorded: each call is a MAGIC preamble and a buffer that is
+    not a pickle stream."""
+    import pickle
+
+    from bpcompile.runtime import tp
+
+    def refuse(*a, **k):
+        raise AssertionError("pickle used on the tensor-parallel path")
+
+    gen = Generator.from_engine(tiny_tp2)
+    sent: list[bytes] = []
+    broadcast = tp._broadcast
+    monkeypatch.setattr(tp, "_broadcast", lambda pg, t: (broadcast(pg, t), sent.append(t.numpy().tobytes())))
+    for mod, names in ((pickle, ("dumps", "dump", "loads", "load", "Pickler", "Unpickler")), (torch, ("save", "load"))):
+        for name in names:
+            monkeypatch.setattr(mod, name, refuse)
+    try:
+        out = gen.generate(_prompts(tiny_tp2, 4), SamplingParams(max_tokens=8))
+    finally:
+        monkeypatch.undo()
+        gen.close()
+    assert all(len(t) == 8 for t, _ in out) and sum(s.verifier_steps for _, s in out) < 32  # drafts accepted
+    assert len(sent) >= 2 * 8 and len(sent) % 2 == 0
+    for pre, buf in zip(sent[::2], sent[1::2]):
+        magic, n_head, n_bytes = torch.frombuffer(bytearray(pre), dtype=torch.int64).tolist()
+        assert magic == tp.MAGIC and n_bytes == len(buf) and n_bytes >= 8 * n_head
+        assert not buf.startswith(b"\x80") and b"\x80\x04\x95" not in buf[: 8 * n_head]  # no pickle stream
+
+
+def _listening_ports(pid: int) -> list[int]:
+    """TCP ports process pid listens on (what another user learns from /proc/net/tcp, here tied to the pid)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.append(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+ATTACKER = r"""
+import json, os, pickle, re, socket, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+worker, marker, extra_ports = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+cmdline = open(f"/proc/{worker}/cmdline").read().split("\0")
+named = sorted({int(n) for a in cmdline for n in re.findall(r"\d+", a) if 1024 <= int(n) < 65536})
+paths = [a for a in cmdline if os.path.exists(a)]
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {marker}",))
+joined, answered = [], []
+def join(port):  # the reported attack: join rank 0's store, then the group as rank 1
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=2))
+    dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=2))
+    joined.append(port)
+for port in named:
+    threading.Thread(target=join, args=(port,), daemon=True).start()
+time.sleep(5)
+for port in sorted(set(named) | set(extra_ports)):
+    for data in (pickle.dumps(Payload()), bytes(8) + pickle.dumps(Payload())):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(data)
+                s.settimeout(1)
+                if s.recv(1 << 16):
+                    answered.append(port)
+        except OSError:
+            pass
+print(json.dumps({"cmdline": cmdline, "named": named, "paths": paths, "joined": joined, "answered": answered}))
+"""
+
+
+def test_another_user_cannot_join_or_read_the_workers(tiny_tp2, tmp_path):
+    """The reported attack against a running tp=2 engine: a second process reads the worker's command line and
+    tries to join as a rank through any port it names, and sends a pickle to every port the ranks listen on
+    (given to it here: another user sees them in /proc/net/tcp). Nothing joins, nothing answers, the pickle
+    does not run, and the engine keeps generating what tp 1 does."""
+    gen = Generator.from_engine(tiny_tp2)
+    prompts, params = _prompts(tiny_tp2, 3), SamplingParams(max_tokens=12)
+    try:
+        worker = gen.peers.procs[0].pid
+        ports = _listening_ports(worker) + _listening_ports(os.getpid())
+        marker = tmp_path / "pwned"
+        r = subprocess.run(
+            [sys.executable, "-c", ATTACKER, str(worker), str(marker), json.dumps(ports)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        seen = json.loads(r.stdout)
+        # the command line names the engine and the rank, no rendezvous: no port, no store path, no secret
+        assert seen["cmdline"][-3:] == [str(tiny_tp2), "--rank=1", ""] and seen["paths"][-1] == str(tiny_tp2)
+        private = Path(gen.peers.private)
+        assert str(private) not in "".join(seen["cmdline"]) and (private.stat().st_mode & 0o777) == 0o700
+        assert str(private).encode() not in Path(f"/proc/{worker}/environ").read_bytes()
+        assert seen["named"] == [] and seen["joined"] == [] and seen["answered"] == [] and not marker.exists()
+        got = gen.generate(prompts, params)
+    finally:
+        gen.close()
+    ref = Generator.from_engine(tiny_tp2, tp=1).generate(prompts, params)
+    assert [t for t, _ in got] == [t for t, _ in ref]
+
+
+def test_a_group_member_without_the_secret_is_refused(tmp_path):
+    """Whoever got into the group without being started by rank 0 (no secret) fails the hand-shake, on both
+    sides, before any call is sent."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bpcompile.runtime import tp
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 2)
+
+    def rank(r: int, secret: bytes):
+        try:
+            tp.group(store, r, 2, "cpu", 60, 60, secret)
+        except tp.TPError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(rank, (0, 1), (b"a" * 32, b"b" * 32)))
+    assert all(e and "did not prove it holds this run's secret" in e for e in errors)
+
+
+def test_a_stopped_worker_fails_the_call_in_bounded_time(tiny_tp2, monkeypatch):
+    """SIGSTOP rank 1 of an idle engine (waiting without a deadline is fine), then generate: the call fails once
+    the collective timeout passes, naming the rank, and the workers are stopped; the next call says so."""
+    import signal
+    import time
+
+    from bpcompile.runtime.tp import TPError
+
+    monkeypatch.setenv("BPCOMPILE_TP_TIMEOUT", "3")
+    gen = Generator.from_engine(tiny_tp2)
+    try:
+        proc = gen.peers.procs[0]
+        time.sleep(4)  # idle longer than the collective timeout: the worker waits on its stdin, not a collective
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TPError, match=rf"rank 1 \(pid {proc.pid}\) is stopped.*BPCOMPILE_TP_TIMEOUT"):
+            gen.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 30 and proc.poll() is not None
+        with pytest.raises(TPError, match="restart the engine"):
+            gen.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    finally:
+        gen.close()
+
+
+def test_channel_messages_and_devices():
+    """What a call encodes to, decoded on the other side; malformed headers are refused, not guessed at; CUDA
+    ranks take consecutive devices, and there must be enough of them."""
+    from bpcompile.runtime.paged_kv import AttnBatch
+    from bpcompile.runtime.tp import TPError, decode, encode, rank_devices
+
+    batch = AttnBatch(torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([1, 2]), torch.tensor([3, 4]),
+                      torch.tensor([1, 1]), None, 8)  # fmt: skip
+    args = (torch.tensor([[1, 2]]), ("dense", (torch.tensor([True, False]), [3, 4]), None, 7), batch, False, -5)
+    head, tensors = encode("draft", "run_forward", args)
+    payload = b"".join(t.contiguous().numpy().tobytes().ljust(-(-t.nbytes // 8) * 8, b"\0") for t in tensors)
+    role, name, got = decode(head, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    assert (role, name, got[0].tolist(), got[1][0], got[1][1][0].tolist(), got[1][1][1], got[1][2:]) == (
+        "draft", "run_forward", [[1, 2]], "dense", [True, False], [3, 4], (None, 7)
+    )  # fmt: skip
+    assert got[2].block_tables.tolist() == [[0, 1, 2], [3, 4, 5]] and got[2].page_size == 8 and got[3:] == (False, -5)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    for bad in (head[:-1], head + [0], [9] + head[1:], head[:2] + [99] + head[3:]):
+        with pytest.raises(TPError):
+            decode(bad, buf)
+    with pytest.raises(TPError, match="does not carry"):
+        encode("verifier", "run_move", (object(),))
+    with pytest.raises(TPError):
+        encode("verifier", "__reduce__", ())
+    from bpcompile.runtime import tp
+    from bpcompile.runtime.executor import Executor
+
+    assert {n for n in dir(Executor) if n.startswith("run_")} <= set(tp._CALLS)  # every call has a code
+    assert rank_devices("cpu", 2) == ["cpu", "cpu"]
+    with pytest.raises(UserError, match=r"no CUDA device cuda:2 .* device 'cuda:1'"):
+        rank_devices("cuda:1", 2)

@@ -18,7 +18,7 @@ from bpcompile.runtime.request import Request
 class Executor:
     """Host bookkeeping (pages, slots, padding) turns requests into tensors; `run_prefill`, `run_forward` and
     `run_move` compute on them. With tensor parallelism (runtime/tp.py) rank 0 does the bookkeeping and
-    `peers` hands each call's tensors to the other ranks, which run the same `run_*` on their shards."""
+    `peers` runs each call on every rank: the others get its tensors and run the same `run_*` on their shards."""
 
     def __init__(self, model: Llama, kv: PagedKV, device: torch.device, lookahead: int, role: str = "verifier"):
         """lookahead: cache entries reserved past a prompt at prefill (the largest tree a step writes)."""
@@ -45,7 +45,7 @@ class Executor:
 
     def _call(self, name: str, *args):
         if self.peers is not None:
-            self.peers.send(self.role, name, args)
+            return self.peers.run(self, name, args)
         return getattr(self, name)(*args)
 
     def _dense_width(self) -> int:

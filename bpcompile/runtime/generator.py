@@ -196,10 +196,10 @@ class Generator:
                     "custom KV store factories are for tp 1",
                     key="tp",
                 )
-            if torch.device(device).type != "cpu":
-                raise UserError(
-                    f"tensor parallelism runs over gloo on CPU in this release; device {device!r} needs tp 1", key="tp"
-                )
+            if _rank == 0:  # gloo on CPU, NCCL on CUDA (rank r on the r-th device from the requested one)
+                from bpcompile.runtime.tp import rank_devices
+
+                rank_devices(device, tp)
             if (executor or cfg.runtime.executor) != "torch":
                 raise UserError(
                     "tensor parallelism runs with the torch executor (the ONNX graphs are exported unsplit)", key="tp"
@@ -228,11 +228,12 @@ class Generator:
                 "rebuild with runtime.onnx: true",
                 key="executor",
             )
-        group, procs = _group, []
+        group, peers = _group, None
         if tp > 1 and _rank == 0:
             from bpcompile.runtime import tp as tensor_parallel
 
-            group, procs = tensor_parallel.launch(d, tp, {"tree": asdict(tree), "device": device})
+            peers = tensor_parallel.launch(d, tp, {"tree": asdict(tree)}, device)
+            group = peers.group
         try:
             load = (
                 (lambda role: Llama.from_rank(d / role, _rank, tp, group, dtype=None))
@@ -266,15 +267,15 @@ class Generator:
                 executor=executor,
                 graphs=d / "onnx",
             )
+            if peers is not None:
+                peers.wait_ready()
         except BaseException:
-            for p in procs:
-                p.kill()
+            if peers is not None:
+                peers.kill()
             raise
         gen.tp = tp
-        if procs:
-            from bpcompile.runtime.tp import Peers
-
-            gen.peers = Peers(group, procs)
+        if peers is not None:
+            gen.peers = peers
             for ex in (gen.v_exec, gen.d_exec):
                 if ex is not None:
                     ex.peers = gen.peers
