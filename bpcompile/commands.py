@@ -12,7 +12,7 @@ from typing import Optional
 import click
 
 from bpcompile.core.errors import UserError
-from bpcompile.core.store import engine_version_dir
+from bpcompile.core.store import MANIFEST, engine_version_dir, no_verify_option, verify_enabled, verify_version
 from bpcompile.core.switches import runtime_options
 
 
@@ -34,6 +34,7 @@ def _device(value: str) -> str:
 @click.command()
 @click.argument("engine", required=False)
 @runtime_options
+@no_verify_option
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
 @click.option(
@@ -74,7 +75,10 @@ def _device(value: str) -> str:
 def generate(
     engine, prompt, max_tokens, tree, no_speculation, temperature, seed, url, chat, executor, tp, device, as_json
 ):
-    """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url."""
+    """Generate from ENGINE in-process (streams tokens, prints statistics), or from a server with --url.
+
+    The engine version's files are first checked against the size and sha256 its manifest records (exit 2
+    naming a file that changed; --no-verify skips it)."""
     if url:
         from bpcompile.serving.client import generate_remote_cli
 
@@ -115,6 +119,7 @@ def _lengths(ctx, param, value):
 
 @click.command(name="eval")
 @runtime_options
+@no_verify_option
 @click.argument("engine")
 @click.option(
     "--text",
@@ -174,9 +179,12 @@ def eval_(
     passkey retrieval and greedy-continuation parity against FP16 KV."""
     from bpcompile.eval.evaluate import evaluate_engine
 
+    engine = engine_version_dir(engine)
+    if verify_enabled():  # evaluate reads the checkpoints directly, not through Generator.from_engine
+        verify_version(engine)
     click.echo(
         evaluate_engine(
-            engine_version_dir(engine),
+            engine,
             json_out=as_json,
             text=text,
             n=sequences,
@@ -223,6 +231,8 @@ def generate_text(
     from bpcompile.runtime.speculative import TreeSpec, parse_tree_spec
 
     d = Path(engine_dir)
+    if verify_enabled() and (d / MANIFEST).is_file():  # before anything (the tokenizer first) is read from it
+        verify_version(d)
     tj = d / "tokenizer" / "tokenizer.json"
     if not tj.is_file():
         raise UserError(f"{d}: no tokenizer (expected {tj})")
@@ -234,7 +244,7 @@ def generate_text(
         eos = eos.get("content") if isinstance(eos, dict) else eos
         end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
-    gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp, device=device)
+    gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp, device=device, verify=False)  # checked above
     try:
         return _generate(gen, d, tok, prompt_text, max_tokens, temperature, seed, end_id, json_out, chat)
     finally:

@@ -1,18 +1,21 @@
 """What is in a directory: an engine version, a converted (TensorRT-LLM) checkpoint, or an HF checkpoint.
 
-Reads only JSON and safetensors headers, never tensor data, so it is instant even on a 70B checkpoint.
+Reads only JSON and safetensors headers, never tensor data, so it is instant even on a 70B checkpoint; except that
+an engine version's files are checked against the sizes and sha256 its manifest records (every byte read: about
+1-2 s per GB; verify=False skips it).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from math import prod
 from pathlib import Path
 
 from bpcompile.compiler.hf import read_header
 from bpcompile.core.errors import UserError
-from bpcompile.core.store import MANIFEST, dir_size
+from bpcompile.core.store import MANIFEST, dir_size, verify_version
 
 
 def shards_summary(d: Path) -> dict:
@@ -67,7 +70,19 @@ def checkpoint_info(d: Path) -> dict:
     return info
 
 
-def inspect_path(path: str | Path) -> dict:
+def verification(d: Path) -> dict:
+    """{"ok", "problem" (what differs from the manifest, naming the file), "seconds"}."""
+    t0 = time.perf_counter()
+    try:
+        verify_version(d)
+        problem = None
+    except UserError as e:
+        problem = str(e)
+    return {"ok": problem is None, "problem": problem, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def inspect_path(path: str | Path, verify: bool = True) -> dict:
+    """What PATH is. An engine version's result has "verified" (see `verification`; None when not asked)."""
     d = Path(path)
     if not d.is_dir():
         raise UserError(
@@ -89,6 +104,7 @@ def inspect_path(path: str | Path) -> dict:
             "stages": m.get("stages", []),
             "tools": m.get("tools", {}),
             "contents": parts,
+            "verified": verification(d) if verify else None,
         }
     if (d / "config.json").is_file():
         return checkpoint_info(d)

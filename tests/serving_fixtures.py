@@ -56,6 +56,7 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
     if (TINY / "verifier" / "config.json").is_file() and (TINY / "draft" / "config.json").is_file():
         return _built(dst, version, recipe_overrides)
     from bpcompile.compiler.convert import convert_checkpoint
+    from bpcompile.core.store import artifact_hashes
 
     v, d = _hf_pair(dst.parent)
     dst.mkdir(parents=True)
@@ -66,7 +67,14 @@ def make_engine(dst: Path, version: int = 1, *, recipe_overrides: dict | None = 
         shutil.copy2(v / f, dst / "tokenizer" / f)
     write_engine_config(dst, **{**RECIPE, **(recipe_overrides or {})})
     (dst / "manifest.json").write_text(
-        json.dumps({"name": "tiny", "version": version, "build_id": f"test-{version}-{v.name}"})
+        json.dumps(
+            {
+                "name": "tiny",
+                "version": version,
+                "build_id": f"test-{version}-{v.name}",
+                "artifacts": artifact_hashes(dst),
+            }
+        )
     )
     return dst
 

@@ -15,6 +15,7 @@ from conftest import write_engine_config  # noqa: E402
 from bpcompile.cli import main
 from bpcompile.compiler.calibrate import calibrate_engine_stage
 from bpcompile.compiler.convert import convert_checkpoint
+from bpcompile.core.store import artifact_hashes
 from bpcompile.eval.evaluate import _prefix_kv, decode_logits, passkey_trials
 from bpcompile.runtime.generator import Generator, SamplingParams
 from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
@@ -34,7 +35,7 @@ def engine(tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINY / f, eng / "tokenizer" / f)
     calibrate_engine_stage(eng / "verifier", eng / "tokenizer", KV, {"samples": 2, "length": 64}, eng / "kv_plan")
-    (eng / "manifest.json").write_text("{}")
+    (eng / "manifest.json").write_text(json.dumps({"artifacts": artifact_hashes(eng)}))  # eval verifies it
     return eng
 
 

@@ -24,7 +24,7 @@ import yaml
 
 from bpcompile import __version__
 from bpcompile.compiler.hf import INPUT_GLOBS, TOKENIZER_FILES
-from bpcompile.compiler.recipe import LoadedRecipe, load_recipe
+from bpcompile.compiler.recipe import LoadedRecipe, check_side_files, load_recipe
 from bpcompile.core.engine import EngineConfig
 from bpcompile.core.errors import MissingDependency, UserError
 from bpcompile.core.store import EngineStore, HashCache, Version, fault_point
@@ -142,25 +142,6 @@ class Reporter:
 
 def _dtype(spec: str) -> Optional[str]:
     return None if spec == "auto" else spec
-
-
-def check_side_files(d: Path, key: str) -> None:
-    """Tokenizer side files are copied into the engine and the Triton repository, so a symbolic link leading
-    out of the checkpoint (special_tokens_map.json -> ~/.ssh/id_rsa) would publish what it points at. Links
-    inside the checkpoint are fine, and so is the Hugging Face cache layout (snapshots/<rev>/f -> ../../blobs/)."""
-    roots = [d.resolve()]
-    if d.parent.name == "snapshots":
-        roots.append(d.parent.parent.resolve() / "blobs")
-    for name in TOKENIZER_FILES:
-        f = d / name
-        if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
-            raise UserError(
-                f"{name} is a symbolic link to {f.resolve()}, outside the checkpoint directory "
-                f"(it would be copied into the engine and the Triton repository); put the file itself "
-                f"in the checkpoint",
-                file=str(f),
-                key=key,
-            )
 
 
 def _check_outputs(loaded: LoadedRecipe) -> None:

@@ -7,6 +7,7 @@ Paths in a recipe are relative to the recipe file's directory.
 
 from __future__ import annotations
 
+import codecs
 import os
 from pathlib import Path
 from typing import Literal, Optional
@@ -192,6 +193,44 @@ def _many(path, problems, first_loc) -> UserError:
     return err
 
 
+def _not_text(f: Path) -> Optional[str]:
+    """Why f cannot be a calibration text file, or None. The build reads it whole: /dev/zero would never end."""
+    if not f.exists():
+        return "not found"
+    if not f.is_file():
+        return "is not a regular file (a device, FIFO, socket or directory): give a UTF-8 text file"
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(1 << 16)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    except UnicodeDecodeError:
+        return "is not UTF-8 text"
+    return "is not text (it holds NUL bytes)" if b"\0" in head else None
+
+
+def check_side_files(d: Path, key: str) -> None:
+    """Tokenizer side files are copied into the engine and the Triton repository, so a symbolic link leading
+    out of the checkpoint (special_tokens_map.json -> ~/.ssh/id_rsa) would publish what it points at. Links
+    inside the checkpoint are fine, and so is the Hugging Face cache layout (snapshots/<rev>/f -> ../../blobs/)."""
+    roots = [d.resolve()]
+    if d.parent.name == "snapshots":
+        roots.append(d.parent.parent.resolve() / "blobs")
+    from bpcompile.compiler.hf import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        f = d / name
+        if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
+            raise UserError(
+                f"{name} is a symbolic link to {f.resolve()}, outside the checkpoint directory "
+                f"(it would be copied into the engine and the Triton repository); put the file itself "
+                f"in the checkpoint",
+                file=str(f),
+                key=key,
+            )
+
+
 def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
     """Parse, validate types, then check the world: paths exist, checkpoints are safetensors,
     tokenizers match, tp/pp divide the model. All problems are reported together."""
@@ -268,8 +307,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
             ("calibration", "source"),
             f"unknown builtin source {src!r}; expected 'builtin:pydoc-topics' or a text file path",
         )
-    elif loaded.calibration_file and not loaded.calibration_file.is_file():
-        problem(("calibration", "source"), f"calibration text file not found: {loaded.calibration_file}")
+    elif loaded.calibration_file:
+        why = _not_text(loaded.calibration_file)
+        if why:
+            problem(("calibration", "source"), f"calibration text {loaded.calibration_file} {why}")
 
     from bpcompile.compiler import hf
     from bpcompile.compiler.hf import INPUT_GLOBS
@@ -306,6 +347,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         except UserError as e:
             problem(("models", role, "path"), str(e))
             tokenizers_ok = False
+        try:  # what the build refuses: a side file linked from outside the checkpoint
+            check_side_files(d, f"models.{role}.path")
+        except UserError as e:
+            problem(("models", role, "path"), str(e))
         # the build hashes these: a link to /dev/zero or a FIFO would hang it
         for f in sorted({f for pat in INPUT_GLOBS for f in d.glob(pat)}):
             if not f.is_file():

@@ -23,8 +23,9 @@ class _Strict(BaseModel):
 
 
 class Parallel(_Strict):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
+    # strict: YAML's `tp: true` would otherwise pass as 1, and "2" as 2
+    tp: int = Field(1, ge=1, strict=True)
+    pp: int = Field(1, ge=1, strict=True)
 
 
 class Limits(_Strict):

@@ -23,7 +23,9 @@ import json
 import os
 import shutil
 import signal
+import stat
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,9 +33,14 @@ from typing import Iterator, Optional
 
 from filelock import FileLock, Timeout
 
+from bpcompile.core.errors import UserError
+
 MANIFEST = "manifest.json"
 STAGING = ".staging-"
 FAULT_ENV = "BPCOMPILE_FAULT_AT"
+# 0: engine versions are loaded without checking them against their manifest (`--no-verify` sets it, so that
+# the processes a command starts, tensor-parallel workers and tritonserver's models, skip the check too)
+VERIFY_ENV = "BPCOMPILE_VERIFY"
 _CHUNK = 8 << 20
 
 
@@ -87,6 +94,28 @@ class HashCache:
     def save(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(self.data))
+
+
+def _umask() -> int:
+    try:  # Linux reports it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normalize_modes(root: Path) -> None:
+    """One mode for everything a build writes: files 0644, directories 0755 (less what the umask takes). Writers
+    differ (safetensors writes 0600 through a temporary file; mkdtemp is 0700): an engine built by one user must
+    load for another."""
+    mask = _umask()
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def dir_size(path: Path) -> int:
@@ -228,6 +257,7 @@ class EngineStore:
             manifest = dict(
                 manifest, name=name, version=n, published=datetime.now(timezone.utc).isoformat(timespec="seconds")
             )
+            normalize_modes(staged)
             manifest["artifacts"] = artifact_hashes(staged)
             manifest["bytes"] = sum(a["bytes"] for a in manifest["artifacts"].values())
             (staged / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -254,11 +284,83 @@ class EngineStore:
         return vs[-1]
 
 
+def verify_enabled(verify: Optional[bool] = None) -> bool:
+    """verify as given, else what $BPCOMPILE_VERIFY says (on unless 0)."""
+    return os.environ.get(VERIFY_ENV, "1") != "0" if verify is None else verify
+
+
+def no_verify_option(command):
+    """Add --no-verify to a click command (generate, eval, serve): it sets $BPCOMPILE_VERIFY to 0, which the
+    processes the command starts inherit (no new parameter reaches the command's function)."""
+    import click
+
+    return click.option(
+        "--no-verify",
+        is_flag=True,
+        expose_value=False,
+        callback=lambda ctx, p, v: os.environ.__setitem__(VERIFY_ENV, "0") if v else None,
+        help="Load the engine version without checking its files against the sizes and sha256 its manifest "
+        "records (the check reads every byte: ~1-2 s per GB; for very large engines).",
+    )(command)
+
+
+def verify_version(version_dir: str | Path) -> dict:
+    """Check an engine version's files against its manifest before anything is loaded from it: every artifact
+    present with the recorded size and sha256, and no file the manifest does not list (a loader may pick up an
+    extra shard). UserError naming the file (its path inside the version) and what differs. Reads every byte:
+    about 1 s per GB here (sha256 in 8 MB chunks); the manifest's sizes are checked first, so a truncated or
+    grown file is refused without hashing. Returns the manifest."""
+    d = Path(version_dir)
+    hint = "rebuild the version or restore the file; --no-verify (verify=False) loads it anyway"
+    m, why = _read_manifest(d)
+    if m is None:
+        raise UserError(f"engine version {d} cannot be verified: {why}; {hint}", file=str(d / MANIFEST))
+    arts = m.get("artifacts")
+    if not isinstance(arts, dict) or not arts:
+        raise UserError(
+            f"engine version {d} cannot be verified: {MANIFEST} records no artifacts (the size and sha256 of "
+            f"each file, written by `bpcompile build`); {hint}",
+            file=str(d / MANIFEST),
+        )
+    root = d.resolve()
+    for rel, a in arts.items():
+        p = Path(rel)
+        if p.is_absolute() or ".." in p.parts or not isinstance(a, dict) or not {"bytes", "sha256"} <= a.keys():
+            raise UserError(f"engine version {d}: {MANIFEST} has an invalid artifact entry {rel!r}", file=str(d))
+    present = {str(f.relative_to(root)) for f in root.rglob("*") if f.is_file() or f.is_symlink()} - {MANIFEST}
+    extra, missing = sorted(present - arts.keys()), sorted(arts.keys() - present)
+    if extra:
+        raise UserError(f"engine version {d}: {extra[0]} is not in the manifest (added after the build); {hint}")
+    if missing:
+        raise UserError(f"engine version {d}: {missing[0]} is missing (the manifest records it); {hint}")
+    for rel, a in sorted(arts.items()):
+        try:
+            st = os.stat(d / rel)
+        except OSError as e:
+            raise UserError(f"engine version {d}: {rel} cannot be read ({e.strerror}); {hint}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"engine version {d}: {rel} is not a regular file; {hint}")
+        if st.st_size != a["bytes"]:
+            raise UserError(
+                f"engine version {d}: {rel} has size {st.st_size} bytes, the manifest records {a['bytes']}; {hint}"
+            )
+    names = sorted(arts)
+    # hashlib releases the GIL: the files of a sharded or tensor-parallel engine are hashed side by side
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        sums = dict(zip(names, pool.map(lambda rel: sha256_file(d / rel), names)))
+    for rel, a in sorted(arts.items()):
+        got = sums[rel]
+        if got != a["sha256"]:
+            raise UserError(
+                f"engine version {d}: {rel} has sha256 {got}, the manifest records {a['sha256']} "
+                f"(its contents changed after the build); {hint}"
+            )
+    return m
+
+
 def engine_version_dir(ref: str, default_store: str | Path = "engines") -> Path:
     """ENGINE as the CLI takes it: a version directory, an engine's directory in any store (its newest
     version), or `name[/N]` of the default store."""
-    from bpcompile.core.errors import UserError
-
     p = Path(ref)
     if (p / MANIFEST).is_file():
         return p

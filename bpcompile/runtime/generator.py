@@ -23,6 +23,7 @@ import torch
 
 from bpcompile.core.engine import EXECUTORS, EngineConfig
 from bpcompile.core.errors import UserError
+from bpcompile.core.store import MANIFEST, verify_enabled, verify_version
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.model import FeatureDraft, Llama, is_feature_draft
 from bpcompile.runtime.paged_kv import (
@@ -156,6 +157,7 @@ class Generator:
         executor: Optional[str] = None,
         tp: Optional[int] = None,
         pack: bool = True,
+        verify: Optional[bool] = None,
         _rank: int = 0,
         _group=None,
     ) -> "Generator":
@@ -170,8 +172,13 @@ class Generator:
         parallel.tp when its pp is 1, else 1. pack: on CPU with the torch executor, lay float32 models' weights
         out as the engine's runtime.cpu_weights says (`Llama.pack_for_cpu`; False keeps plain modules, e.g. for
         ONNX export).
+        verify: first check the version's files against its manifest.json (core/store.py `verify_version`:
+        UserError naming a changed file; about 1-2 s per GB); default: yes unless $BPCOMPILE_VERIFY is 0. A
+        directory without a manifest (assembled by hand, not published by a build) has nothing to check against.
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
+        if verify_enabled(verify) and _rank == 0 and (d / MANIFEST).is_file():  # before rank 0 starts the others
+            verify_version(d)
         if not (d / "verifier" / "config.json").is_file():
             raise UserError(f"{d}: no converted verifier checkpoint (expected {d / 'verifier' / 'config.json'})")
         cfg = EngineConfig.load(d)

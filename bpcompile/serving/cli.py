@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from bpcompile.core.errors import UserError
+from bpcompile.core.store import no_verify_option
 from bpcompile.core.switches import runtime_options
 
 
@@ -112,6 +113,7 @@ def emit(
 @click.command()
 @click.argument("repo", default="triton_repo", type=click.Path(path_type=Path))
 @runtime_options
+@no_verify_option
 @click.option("--http-port", default=8000, show_default=True, type=int)
 @click.option("--grpc-port", default=8001, show_default=True, type=int)
 @click.option("--metrics-port", default=8002, show_default=True, type=int)
@@ -148,7 +150,8 @@ def emit(
     "port, in front of tritonserver.",
 )
 def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout, openai_port):
-    """Serve REPO with tritonserver until SIGINT / SIGTERM.
+    """Serve REPO with tritonserver until SIGINT / SIGTERM. The engine versions REPO holds are first checked
+    against their manifests (exit 2 naming a changed file; --no-verify skips it).
 
     Exit code 0 after a requested, clean stop; 1 when tritonserver died or did not stop cleanly."""
     from bpcompile.serving.serve import serve as _serve

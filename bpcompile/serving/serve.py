@@ -392,12 +392,14 @@ def serve(
     Returns the exit code for a supervisor: 0 when a signal asked for the stop and tritonserver exited
     cleanly; 1 when tritonserver died by itself (any code or signal) or did not stop cleanly."""
     from bpcompile.serving import emit
+    from bpcompile.serving.integrity import verify_before_serving
 
     # A build killed mid-switch leaves some models on the new version and some on the old one until the next
     # emission replays its journal: replay it here too, so a server never loads a half-switched repository.
     if (Path(repo_dir) / emit.MARKER).is_file():
         for line in emit.repair_repository(repo_dir):
             log(f"repaired repository: {line}")
+    verify_before_serving(repo_dir, log)  # a tampered engine file: exit 2 naming it, before tritonserver starts
     s = ServerProcess(
         repo_dir,
         http_port=http_port,
