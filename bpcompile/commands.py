@@ -61,8 +61,8 @@ def _device(value: str) -> str:
     "--tp",
     type=click.IntRange(1),
     default=None,
-    help="Tensor-parallel size: the engine's parallel.tp (default; one process per rank over gloo) or 1 "
-    "(its rank files merged into this process).",
+    help="Tensor-parallel size: the engine's parallel.tp (default; one process per rank: gloo on CPU, NCCL on "
+    "CUDA) or 1 (its rank files merged into this process).",
 )
 @click.option(
     "--device",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -214,17 +215,18 @@ def test_a_dead_worker_is_reported_not_waited_on(tiny_tp2):
 
 
 @pytest.mark.server
-def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path):
+def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path, monkeypatch):
     """The emitted repository of the tp=2 engine through a real tritonserver: the generator model instance starts
     its rank-1 worker and stops it on unload; greedy output equals the in-process tp=1 engine's for the same 50
-    prompts x 32 tokens (8 concurrent clients, so requests share the tp=2 batch), and streamed for a few."""
+    prompts x 32 tokens (8 concurrent clients, so requests share the tp=2 batch), and streamed for a few. Then
+    the worker is stopped (SIGSTOP): the next request fails, naming rank 1, once the collective timeout passes."""
     pytest.importorskip("tritonclient.grpc")
     pytest.importorskip("pytriton")
     from concurrent.futures import ThreadPoolExecutor
 
     from tokenizers import Tokenizer
 
-    from bpcompile.serving.client import generate_remote
+    from bpcompile.serving.client import RemoteError, generate_remote
     from bpcompile.serving.emit import emit_repository
     from bpcompile.serving.serve import ServerProcess
 
@@ -239,6 +241,7 @@ def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path):
     ]
     repo = tmp_path / "repo"
     emit_repository([(1, tiny_tp2)], repo)
+    monkeypatch.setenv("BPCOMPILE_TP_TIMEOUT", "20")  # the server's workers inherit it
     workers = lambda: subprocess.run(
         ["pgrep", "-f", f"bpcompile.runtime.tp_worker .*{repo}"],  # noqa: E731
         capture_output=True,
@@ -252,6 +255,10 @@ def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path):
         for x, r in list(zip(texts, ref))[:3]:
             assert generate_remote(s.grpc_url, x, N_TOKENS, stream=True)["token_ids"] == r
         assert "tp 2" in (tmp_path / "server.log").read_text()
+        (worker,) = workers()
+        os.kill(int(worker), signal.SIGSTOP)
+        with pytest.raises(RemoteError, match=r"tensor-parallel rank 1 is stopped"):
+            generate_remote(s.grpc_url, texts[0], 4, stream=False)
     assert s.proc.returncode == 0 and workers() == []
 
 
@@ -396,7 +403,6 @@ def test_a_group_member_without_the_secret_is_refused(tmp_path):
 def test_a_stopped_worker_fails_the_call_in_bounded_time(tiny_tp2, monkeypatch):
     """SIGSTOP rank 1 of an idle engine (waiting without a deadline is fine), then generate: the call fails once
     the collective timeout passes, naming the rank, and the workers are stopped; the next call says so."""
-    import signal
     import time
 
     from bpcompile.runtime.tp import TPError

@@ -38,6 +38,7 @@ import hmac
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -325,7 +326,8 @@ class Peers:
         self.group, self.procs, self.store, self.private = pg, procs, store, private
         self.device, self.start_timeout, self.timeout = device, start, step
         self.cuda = torch.device(device).type == "cuda"
-        self.failed: Optional[str] = None
+        self.failed: Optional[str] = None  # why the group broke: no call runs after it
+        self.summary: Optional[str] = None  # the same, one line naming the rank(s)
         self.closed = False
 
     def _blamed(self) -> list[str]:
@@ -347,7 +349,10 @@ class Peers:
         return f"tensor-parallel rank {ranks}" if len(self.procs) == 1 else f"tensor-parallel ranks {ranks}"
 
     def _fail(self, why: str) -> TPError:
-        self.failed = f"{self._who()}: {why}; the workers were stopped, restart the engine"
+        who = self._who()
+        self.failed = f"{who}: {why}; the workers were stopped, restart the engine"
+        # for a server's clients: which rank, without the backend's details (those go to the server log)
+        self.summary = re.sub(r" \(pid \d+\)", "", who)
         self._stop(kill=True)
         return TPError(self.failed)
 

@@ -101,7 +101,10 @@ class _TritonLoop(InflightLoop):
         self.model.logger.log_error(f"generator step failed: {trace}")
 
     def on_failed(self, job: _Job) -> None:
+        peers = self.model.gen.peers  # a tensor-parallel rank that died or hung: say which
+        lost = peers.summary if peers is not None and peers.summary else None
         job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            f"generation failed: {lost} (restart the server)" if lost else
             "generation failed (an internal error; the server log has the details)",
             pb_utils.TritonError.INTERNAL)), flags=FINAL)
 
