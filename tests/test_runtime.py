@@ -335,6 +335,46 @@ def test_rows_layout_computes_what_plain_does(pair, tied, layout):
 
 
 @pytest.mark.skipif(not cpu_packing_works(), reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("kernel", [True, False])
+def test_auto_layout_keeps_the_plain_copy_only_where_one_row_is_faster(pair, kernel, monkeypatch):
+    """runtime.cpu_weights auto (the default): the plain copies for single rows are kept, for the whole model, only
+    where a timing at load found one row faster by them (cached: a second model reads the same decision); the
+    timing leaves every copy in place; either way, and with a tied embedding where the packed head's plain copy
+    goes, logits equal the plain model's."""
+    from bpcompile.runtime import model as model_mod
+
+    if not kernel:
+        monkeypatch.setattr(cpu_rows, "available", lambda: False)  # oneDNN-packed, as where the kernel cannot build
+    elif not cpu_rows.available():
+        pytest.skip("no C compiler or no AVX-512 here: the few-row kernel is off")
+    w = dict(pair[0].w)
+    w["transformer.vocab_embedding.weight"] = w.pop("lm_head.weight")  # tied
+    plain, both = Llama(CFG, w), Llama(CFG, w)
+    both.pack_for_cpu("both")
+    lins = [m for m in both.modules() if type(m).__name__ in ("RowsLinear", "PackedLinear")]
+    before = [m.wt for m in lins]
+    pays = model_mod.one_row_plain_pays(lins)
+    assert isinstance(pays, bool) and all(m.wt is b for m, b in zip(lins, before))
+    for decision in (pays, not pays):
+        monkeypatch.setattr(model_mod, "one_row_plain_pays", lambda lins, d=decision: d)
+        m = Llama(CFG, w)
+        assert m.pack_for_cpu("auto") and {
+            x.wt is not None for x in m.modules() if type(x).__name__ in ("RowsLinear", "PackedLinear")
+        } == {decision}
+        for shape in [(1, 1), (1, 6)]:
+            toks = torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(sum(shape)))
+            a, b = plain(toks), m(toks)
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (decision, shape, (a - b).abs().max())
+        assert torch.equal(m.embed, plain.embed)
+    monkeypatch.undo()
+    if not kernel:
+        monkeypatch.setattr(cpu_rows, "available", lambda: False)
+    m = Llama(CFG, w)
+    m.pack_for_cpu("auto")  # the real timing's decision, cached from above
+    assert {x.wt is not None for x in m.modules() if type(x).__name__ in ("RowsLinear", "PackedLinear")} == {pays}
+
+
+@pytest.mark.skipif(not cpu_packing_works(), reason="this torch build has no oneDNN packed linear")
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_weights_compute_what_plain_ones_do(pair, tied, monkeypatch):
     """oneDNN-packed weights (how engines run on CPU): every linear and the head swapped, logits equal the
@@ -934,7 +974,8 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     kinds = {"both": few, "rows": few, "packed": "PackedLinear", "plain": "Linear"}
     if cpu_packing_works():
         assert type(gen.verifier.head).__name__ == type(gen.draft.layers[0].qkv).__name__ == kinds["both"]
-        assert gen.verifier.head.wt is not None  # the plain layout for single rows
+        # auto (the default): the plain copies for single rows kept, or dropped, for the whole model by a timing
+        assert len({m.wt is None for m in gen.verifier.modules() if type(m).__name__ == few}) == 1
         conf = eng / "engine.json"
         raw = json.loads(conf.read_text())
         for layout, kind in kinds.items():
@@ -959,7 +1000,7 @@ def test_from_engine_and_generate_text(tmp_path, capsys):
     res = generate_text(eng, "The for statement", max_tokens=12, tree="chain:3", json_out=True)
     js = json.loads(capsys.readouterr().out)
     assert js["tokens"] == res["tokens"] and js["tree"] == "chain" and js["verifier_steps"] >= 1
-    assert js["cpu_weights"] == ("both" if cpu_rows.available() else "both-packed" if cpu_packing_works() else "plain")
+    assert js["cpu_weights"] in (("both", "rows") if cpu_rows.available() else ("both-packed", "packed", "plain"))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(eng / "tokenizer" / "tokenizer.json"))

@@ -319,24 +319,86 @@ def test_residual_rule_two_candidates_exact():
 
 
 def test_backoff_stops_drafting_that_does_not_pay_and_probes_again():
-    """BackOff against made-up step timings: a drafting step that yields less than plain decoding in its time
-    switches drafting off for `wait` steps, a failed probe doubles the wait, a good one restores drafting, and
-    the tree shrinks to about twice the accepted length."""
+    """BackOff against made-up step timings: a probe (2 steps here) that yields less than plain decoding in its time
+    switches drafting off for `wait` steps, a failed probe doubles the wait, a good one turns drafting on, which then
+    stays on inside the hysteresis band and goes off below it; the tree shrinks to about twice the accepted length.
+    The cost of a drafting step is read from ratios (its time over its own verify, and its verify over the plain
+    step next to it), so the same steps on a machine twice as slow decide the same."""
     from bpcompile.runtime.speculative import BackOff
 
-    b = BackOff(TreeSpec("dynamic", nodes=8), first_wait=2, max_wait=8, decay=1.0)
-    assert b.next_spec().nodes == 8  # nothing measured yet: the recipe's tree
-    b.update(False, 0.0, 0.010, 0.0)  # a plain step takes 10 ms
-    b.update(True, 0.0, 0.030, 0.012)  # drafting: 30 ms for 1 token, plain would give 3
-    assert b.backoffs == 1 and [b.next_spec().kind for _ in range(3)] == ["none", "none", "dynamic"]
-    b.update(True, 0.5, 0.030, 0.012)  # the probe fails too (1.5 tokens per 30 ms): wait doubles
-    assert [b.next_spec().kind for _ in range(5)] == ["none"] * 4 + ["dynamic"] and b.backoffs == 2
-    b.update(True, 3.0, 0.030, 0.012)  # 4 tokens per 30 ms beats 3: drafting stays on, wait resets
-    assert b.wait == 2 and b.next_spec().kind == "dynamic" and b.next_spec().nodes == 7  # int(2 * 3 + 1.5)
-    b.update(True, 1.0, 0.015, 0.012)  # 2 tokens per 15 ms beats 1.5: still on, the tree follows acceptance
-    assert b.next_spec().nodes == 3 and b.plain_steps == 6
-    for _ in range(6):  # a draft that never pays: the wait is capped
-        b.update(True, 0.0, 0.030, 0.012)
-        while b.next_spec().kind == "none":
-            pass
-    assert b.wait == 8
+    def feed(scale):
+        b = BackOff(TreeSpec("dynamic", nodes=8), first_wait=2, max_wait=8, decay=1.0, margin=0.1, probe=2)
+        kinds = []
+
+        def step(accepted, seconds=0.030, verify=0.012):  # as the runtime runs a step: ask for a tree, report it
+            spec = b.next_spec()
+            kinds.append("-" if spec.kind == "none" else spec.nodes)
+            if spec.kind == "none":  # a plain step: 10 ms, 9 of them the verify
+                b.update(False, 0.0, scale * 0.010, scale * 0.009)
+            else:
+                b.update(True, accepted, scale * seconds, scale * verify)
+
+        step(0.0)  # 30 ms for 1 token: 2.5x its verify, which is 1.2x a plain step (known after 3 pairs)
+        assert b.gain is None and b.next_spec().nodes == 8  # a probe runs the recipe's whole tree
+        step(0.0)  # g = 1 / 2.5 (r = 1 until three pairs are seen): off, and the probe will measure afresh
+        assert b.backoffs == 1 and b.gain is None
+        for _ in range(4):  # two plain steps (the wait), then a probe that fails (1.25 tokens per 2.5 plain steps)
+            step(0.25)
+        assert b.backoffs == 2 and b.wait == 8 and len(b.pairs) == 2
+        for _ in range(6):  # four plain steps, then a probe: 4 tokens per 3 plain steps (r = 1.2 now): on
+            step(3.0)
+        assert b.wait == 2 and b.backoffs == 2 and b.gain == pytest.approx(4 / 3) and b.next_spec().nodes == 7
+        step(2.6)  # g = 3.6 / 3 = 1.2: stays on
+        step(1.9)  # g = 2.9 / 3: inside the band (0.9-1.1), stays on
+        assert b.backoffs == 2 and b.next_spec().kind == "dynamic"
+        step(1.0, seconds=0.027)  # g = 2 / 2.7: off
+        assert b.backoffs == 3
+        for _ in range(20):  # a draft that never pays: the wait is capped
+            step(0.0)
+        assert b.wait == 8
+        return kinds, b.backoffs, b.plain_steps
+
+    kinds, backoffs, plain = feed(1.0)
+    assert kinds[:14] == [8, 8, "-", "-", 8, 8, "-", "-", "-", "-", 8, 8, 7, 6] and plain >= 8
+    assert feed(2.0) == (kinds, backoffs, plain)  # a uniformly slower machine: the same decisions
+
+
+def test_backoff_reads_cost_from_adjacent_steps_under_varying_load():
+    """The machine's load changes (each step slowed as a whole: 2x throughout, 1x / 2x / 4x in bursts of 5-15
+    steps, or 1-1.5x at random every step) and back-off still decides as on an idle machine: its cost ratios come
+    from a step's own parts and from the plain step next to a drafting one, medians over a window. Drafting here
+    pays (1 + 1.2 tokens for 1.5x a plain step's time: g = 1.47) and back-off keeps it on, refreshing the
+    verify-vs-plain ratio with an occasional plain step, the same steps at every load; a draft that does not pay
+    (1.2 tokens for 1.5x: g = 0.8) is switched off, the same steps at every load."""
+    from bpcompile.runtime.speculative import BackOff
+
+    def run(load, accepted):
+        b = BackOff(TreeSpec("chain", length=4))
+        kinds = []
+        for _ in range(300):
+            spec = b.next_spec()
+            f = load()
+            if spec.kind == "none":  # verify 9 ms + 1 ms bookkeeping
+                b.update(False, 0.0, f * 0.010, f * 0.009)
+            else:  # draft 3 ms, verify 11 ms, bookkeeping 1 ms
+                b.update(True, accepted, f * 0.015, f * 0.011)
+            kinds.append(spec.kind)
+        return kinds, b.backoffs
+
+    def bursts(rng):
+        state = {"left": 0, "f": 1.0}
+
+        def load():
+            if state["left"] == 0:
+                state["left"], state["f"] = rng.randint(5, 15), rng.choice([1.0, 2.0, 4.0])
+            state["left"] -= 1
+            return state["f"]
+
+        return load
+
+    rng = random.Random(0)
+    for accepted, pays in ((1.2, True), (0.2, False)):
+        idle = run(lambda: 1.0, accepted)
+        assert (idle[1] == 0) == pays and (idle[0].count("none") < 15) == pays, (accepted, idle[0].count("none"))
+        for load in (lambda: 2.0, bursts(rng), lambda: rng.uniform(1.0, 1.5)):
+            assert run(load, accepted) == idle

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import heapq
 import json
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -412,41 +414,71 @@ class DynamicBuilder(_Builder):
 class BackOff:
     """Speculation that never costs much: when drafting does not pay, draft less or not at all for a while.
 
-    After each drafting step it compares what the step yielded with what verifier-only decoding would have
-    yielded in the same time: (1 + a) tokens per `t_spec` seconds against 1 token per `t_plain`, where a is a
-    running mean of accepted draft tokens per sequence and step, t_spec a running mean of drafting steps' wall
-    time and t_plain of plain steps' (until a plain step has been seen, a drafting step's verify time stands in:
-    verifying a tree costs no less than one token, so the estimate errs towards drafting). If drafting is slower,
-    the next `wait` steps draft nothing, then one step probes again; a failed probe doubles `wait` (up to
-    `max_wait`), a good one resets it. While drafting, chains and dynamic trees are cut to about twice the
-    accepted length plus one (they grow back as acceptance does).
+    It decides from quantities that stay the same when the machine is uniformly slower or busier (so a loaded
+    machine decides as an idle one does), never from absolute times taken at different moments:
+    - a: accepted draft tokens per sequence and drafting step: a drafting step commits 1 + a tokens per
+      sequence, a plain step 1;
+    - c: a drafting step's time over a plain step's, as s * r, two ratios of times taken close together:
+      s = a drafting step's time / its own verifier forward's (the draft's rounds and the tree bookkeeping
+      relative to the verify), median of the last `window` drafting steps; r = a drafting step's verifier
+      forward / the whole plain step next to it (the one just before or after: the same load), median of the
+      last `window` such pairs, 1 until three are seen (verifying a tree costs no less than one token: it errs
+      towards drafting). To keep r current while drafting pays, one step in `refresh` drafts nothing (one in
+      `refresh // 8` until `min_pairs` pairs are known).
+    Drafting pays when g = (1 + a) / c > 1. It is judged over `probe` drafting steps with the recipe's whole
+    tree (at the start, and after each pause), a their mean acceptance and s their median, then after every
+    drafting step (a a running mean, s over the window). With hysteresis (`margin`) so that noise does not flip
+    it: a probe turns drafting on when g >= 1 + margin, and drafting goes off when g < 1 - margin. Off, the next
+    `wait` steps draft nothing and a probe follows; each failed probe doubles `wait` (up to `max_wait`), a good
+    one resets it. While drafting, chains and dynamic trees are cut to about twice the accepted length plus one
+    (they grow back as acceptance does).
 
     Only future steps' trees depend on it, and only through past steps: greedy output stays identical to
     verifier-only decoding, and sampling stays lossless (whether a step drafts, and how many candidates, is
     fixed before any of its draws: the stopping-rule argument in the module docstring).
     """
 
-    def __init__(self, spec: TreeSpec, first_wait: int = 4, max_wait: int = 64, decay: float = 0.3):
-        self.spec, self.first_wait, self.max_wait, self.decay = spec, first_wait, max_wait, decay
-        self.wait, self.skip, self.probing = first_wait, 0, False
+    def __init__(
+        self,
+        spec: TreeSpec,
+        first_wait: int = 4,
+        max_wait: int = 64,
+        decay: float = 0.3,
+        margin: float = 0.1,
+        window: int = 9,
+        probe: int = 3,
+        refresh: int = 64,
+        min_pairs: int = 4,
+    ):
+        self.spec, self.first_wait, self.max_wait, self.decay, self.margin = spec, first_wait, max_wait, decay, margin
+        self.probe, self.refresh, self.min_pairs = probe, refresh, min_pairs
+        self.wait, self.skip = first_wait, 0
+        self.probing: Optional[list[float]] = []  # acceptance of the current probe's steps (None: not probing)
         self.accepted: Optional[float] = None
-        self.t_spec: Optional[float] = None
-        self.t_verify: Optional[float] = None
-        self.t_plain: Optional[float] = None
+        self.share: deque[float] = deque(maxlen=window)  # s of recent drafting steps
+        self.pairs: deque[float] = deque(maxlen=window)  # r of recent adjacent (drafting, plain) step pairs
+        self.last: Optional[tuple[bool, float, float]] = None  # the previous step: drafted, seconds, verify seconds
+        self.since_plain = 0  # drafting steps since the last plain one
         self.backoffs = 0  # times drafting was switched off (benchmarks and tests read it)
-        self.plain_steps = 0
+        self.plain_steps = 0  # steps back-off made plain (refreshes of r included)
 
-    def _mean(self, old: Optional[float], new: float) -> float:
-        return new if old is None else old + self.decay * (new - old)
+    @property
+    def gain(self) -> Optional[float]:
+        """g = (1 + a) / c: tokens a drafting step yields per plain step's worth of time (None before any)."""
+        if self.accepted is None or not self.share:
+            return None
+        r = statistics.median(self.pairs) if len(self.pairs) >= 3 else 1.0  # one or two pairs: too noisy
+        return (1 + self.accepted) / (statistics.median(self.share) * r)
 
     def next_spec(self) -> TreeSpec:
         """The tree to draft this step (kind "none": no drafting)."""
-        if self.skip > 0:
-            self.skip -= 1
+        every = self.refresh if len(self.pairs) >= self.min_pairs else max(1, self.refresh // 8)
+        if self.skip > 0 or (self.probing is None and self.since_plain >= every):
+            self.skip = max(0, self.skip - 1)
             self.plain_steps += 1
             return TreeSpec("none")
         s = self.spec
-        if self.accepted is None or s.kind not in ("chain", "dynamic") or self.probing:
+        if self.probing is not None or s.kind not in ("chain", "dynamic"):
             return s
         n = max(1, min(s.draft_tokens, int(2 * self.accepted + 1.5)))
         return TreeSpec(s.kind, length=n, nodes=n)
@@ -454,21 +486,37 @@ class BackOff:
     def update(self, drafted: bool, accepted: float, seconds: float, verify_seconds: float) -> None:
         """After a step: whether it drafted, accepted draft tokens per drafting sequence, its wall time and the
         verifier forward's share of it."""
+        last, self.last = self.last, (drafted, seconds, verify_seconds)
+        if last is not None and last[0] != drafted and seconds > 0 and last[1] > 0:  # an adjacent pair
+            self.pairs.append(verify_seconds / last[1] if drafted else last[2] / seconds)
         if not drafted:
-            self.t_plain = self._mean(self.t_plain, seconds)
+            self.since_plain = 0
             return
-        # a probe starts afresh: acceptance long ago says little about now
-        self.accepted = accepted if self.probing else self._mean(self.accepted, accepted)
-        self.t_spec = self._mean(self.t_spec, seconds)
-        self.t_verify = self._mean(self.t_verify, verify_seconds)
-        plain = self.t_plain if self.t_plain is not None else self.t_verify
-        if (1 + self.accepted) * plain < self.t_spec:
-            self.skip = self.wait
-            self.wait = min(2 * self.wait, self.max_wait)
-            self.backoffs += 1
-            self.probing = True
-        else:
-            self.wait, self.probing = self.first_wait, False
+        self.since_plain += 1
+        if verify_seconds > 0:
+            self.share.append(seconds / verify_seconds)
+        if self.probing is not None:  # a probe starts afresh: acceptance long ago says little about now
+            self.probing.append(accepted)
+            if len(self.probing) < self.probe:
+                return
+            self.accepted = sum(self.probing) / len(self.probing)
+            g = self.gain
+            if g is None or g >= 1 + self.margin:
+                self.wait, self.probing = self.first_wait, None
+            else:
+                self._off()
+            return
+        self.accepted += self.decay * (accepted - self.accepted)
+        g = self.gain
+        if g is not None and g < 1 - self.margin:
+            self._off()
+
+    def _off(self) -> None:
+        self.skip = self.wait
+        self.wait = min(2 * self.wait, self.max_wait)
+        self.backoffs += 1
+        self.probing = []
+        self.share.clear()  # the probe measures afresh (the machine's load may have changed)
 
 
 def make_builder(
