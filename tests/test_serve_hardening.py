@@ -197,8 +197,9 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
     _plant_backends(tmpdir, planted_ran)
     from bpcompile.serving.serve import free_port
 
-    oai = free_port()
-    s = Serve(repo, tmp_path, "--openai-port", str(oai), env={"TMPDIR": str(tmpdir)})
+    oai, health = free_port(), free_port()
+    s = Serve(repo, tmp_path, "--openai-port", str(oai), "--health-port", str(health), env={"TMPDIR": str(tmpdir)})
+    assert _probe(health) == (200, "ready") and _probe(oai) == (200, "ok")
     assert not planted_ran.exists(), planted_ran.read_text()
     assert re.search(rf"^openai\s+http://127.0.0.1:{oai}/v1$", s.stderr(), re.M), s.stderr()
     with urllib.request.urlopen(f"http://127.0.0.1:{oai}/v1/models", timeout=30) as r:
@@ -218,6 +219,8 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
     assert all(e.wait(120) for e in started), results
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)  # the generators see the drain flag within 0.1 s
+    # what a supervisor probes says "not ready" while the running streams finish
+    assert _probe(health) == (503, "shutting down") and _probe(oai) == (503, "shutting down")
     with pytest.raises(RemoteError, match="shutting down"):
         generate_remote(f"127.0.0.1:{s.grpc}", "Hello", 4)
     req = urllib.request.Request(
@@ -271,6 +274,86 @@ def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(
     os.kill(s.triton_pid, signal.SIGKILL)  # tritonserver dies under serve: a supervisor must see it
     assert s.wait(60) == 1, s.stderr()
     assert "killed by SIGKILL" in s.stderr()
+
+
+def _probe(port: int, path: str = "/health") -> tuple[int, str]:
+    """(status, the reason or status it gives) of GET path; (0, why) when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, json.loads(r.read()).get("status", "")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read() or b"{}")
+        return e.code, body.get("reason") or body.get("status", "")
+    except OSError as e:
+        return 0, str(e)
+
+
+def _stub_pid(triton_pid: int, model: str) -> int:
+    """The Python backend stub of `model`: the child of tritonserver whose first argument is its model.py."""
+    for task in Path(f"/proc/{triton_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if len(argv) > 1 and Path(argv[1].decode()).parent.parent.name == model:
+                return int(pid)
+    raise AssertionError(f"no stub of {model} under tritonserver {triton_pid}")
+
+
+@pytest.mark.server
+def test_dead_model_process_fails_open_streams_readiness_and_serve(repo, tmp_path):
+    """kill -9 of the generating model's stub with streams open (gRPC and OpenAI): tritonserver 2.51 would keep
+    the model "ready" and every stream would hang. Every open client gets an error within 5 s, readiness (serve's
+    /health, the OpenAI endpoint's, tritonserver's) is false within 5 s, and serve exits 1 for its supervisor."""
+    import openai
+
+    from bpcompile.serving.serve import free_port
+
+    oai, health = free_port(), free_port()
+    s = Serve(repo, tmp_path, "--openai-port", str(oai), "--health-port", str(health))
+    assert _probe(health)[0] == 200 and s.status("/v2/health/ready") == 200
+    results, started, threads = _stream(s.grpc, 2, 400)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{oai}/v1", api_key="unused", max_retries=0)
+
+    def chat(i):
+        try:
+            for _ in client.completions.create(
+                model="tiny", prompt="Once upon a time", max_tokens=400, stream=True, temperature=0
+            ):
+                started[i].set()
+            results[i] = "finished"
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results[i] = e
+        results[i, "t"] = time.monotonic()
+
+    started += [threading.Event(), threading.Event()]
+    threads += [threading.Thread(target=chat, args=(i,), daemon=True) for i in (2, 3)]
+    for t in threads[2:]:
+        t.start()
+    assert all(e.wait(120) for e in started), results
+    assert not results  # all four streams are open
+
+    stub = _stub_pid(s.triton_pid, "tensorrt_llm")
+    os.kill(stub, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(max(0.0, killed + 5 - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), results  # no client hangs
+    for i in range(4):
+        assert isinstance(results[i], Exception), (i, results[i])
+    assert all(results[i, "t"] - killed < 5 for i in (2, 3)), results
+    deadline = killed + 5
+    while time.monotonic() < deadline and (_probe(health)[0] == 200 or s.status("/v2/health/ready") == 200):
+        time.sleep(0.1)
+    assert _probe(health)[0] != 200 and _probe(oai)[0] != 200 and s.status("/v2/health/ready") != 200
+    assert s.wait(60) == 1, s.stderr()
+    assert f"model tensorrt_llm (pid {stub}) died" in s.stderr(), s.stderr()
+    assert not Path(f"/proc/{s.triton_pid}").exists()  # tritonserver stopped, not left behind
+
+
+def test_two_endpoints_on_one_port_are_refused_before_starting():
+    r = _cli("serve", "nowhere", "--http-port", "8000", "--openai-port", "8000")
+    assert r.returncode == 2 and "--http-port and --openai-port are both 8000" in r.stderr, r.stderr
+    r = _cli("serve", "nowhere", "--grpc-port", "9001", "--health-port", "9001")
+    assert r.returncode == 2 and "--grpc-port and --health-port are both 9001" in r.stderr, r.stderr
 
 
 def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess:

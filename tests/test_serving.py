@@ -10,6 +10,7 @@ import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -504,6 +505,130 @@ def test_generator_takes_the_ensemble_request(server, reference, tokenizer):
             assert (r["responses"] > 1) == stream and r["total_draft_tokens"] > 0
     h = generate_remote(server.http_url, PROMPTS[2], MAX_TOKENS, stream=True, protocol="http", model="tensorrt_llm")
     assert h["token_ids"] == reference[PROMPTS[2]] and h["text"] == tokenizer.decode(reference[PROMPTS[2]])
+
+
+def test_input_lengths_and_word_list_offsets(server, tokenizer):
+    """tensorrtllm_backend's semantics: only the first input_lengths ids of input_ids are the prompt (the rest is
+    padding), so a padded prompt generates what the unpadded one does. A stop_words_list ([1, 2, L]: ids, then end
+    offsets padded with -1) whose offsets point past its ids, go down or follow the padding is refused by name
+    instead of being sliced into other words."""
+    url, ids = server.grpc_url, tokenizer.encode(PROMPTS[1]).ids
+    padded = ids + [0, 0, 0]
+    ((want, _),) = inflight_client_request(url, ids, 12, stream=False)
+    ((got, _),) = inflight_client_request(url, padded, 12, stream=False)  # input_lengths covers the padding
+    assert got != want  # so the padding would change the output if it were read as prompt
+    ((got, _),) = inflight_client_request(url, padded, 12, stream=False, input_lengths=np.array([[len(ids)]], np.int32))
+    assert got == want
+
+    def error(**over):
+        base = {"input_ids": [padded], "input_lengths": [[len(ids)]], "request_output_len": [[4]]}
+        return _grpc_raw(
+            server, [(k, np.array(v, np.int32), "INT32") for k, v in {**base, **over}.items()], "tensorrt_llm"
+        )
+
+    assert "input_lengths 7 is outside [1, 6]" in error(input_ids=[[1, 450, 300, 0, 0, 0]], input_lengths=[[7]])
+    assert "input_lengths 0 is outside" in error(input_lengths=[[0]])
+    a, b, c = ids[:3]
+    bad = {
+        "end offset 5 (word 0) is beyond the 2 token ids": [[[a, b], [5, -1]]],
+        "end offset 1 (word 1) is below the previous one (2)": [[[a, b, c], [2, 1, -1]]],
+        "end offset 3 (word 2) follows the -1 padding": [[[a, b, c], [1, -1, 3]]],
+    }
+    for why, words in bad.items():
+        assert f"stop_words_list: {why}" in (error(stop_words_list=words) or ""), why
+    assert error(stop_words_list=[[[a, b, c], [1, 3, -1]]]) is None  # a well-formed one is taken
+    assert server.healthy()
+
+
+def _stub_regions(server) -> list[tuple[int, str]]:
+    """(stub pid, shared-memory region name) of each model stub: tritonserver's children, whose third argument
+    names their region."""
+    out = []
+    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"triton_python_backend_stub" in argv[0]:
+                out.append((int(pid), argv[2].decode()))
+    return out
+
+
+def test_restricted_apis_and_private_shared_memory(server):
+    """A client without the token cannot register a model stub's shared-memory region as an output buffer and
+    have preprocessing write into it (which made tritonserver abort), nor read or change logging, trace or
+    statistics (HTTP 403, gRPC refused); with the token's header it can. The stubs' regions, which hold every
+    request's tensors, are mode 0600 in a /dev/shm only tritonserver's processes see: another user reads none.
+    The server keeps serving throughout."""
+    import os
+    import stat
+    import subprocess
+    import urllib.error
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from bpcompile.serving.protocol import REPOSITORY_HEADER
+
+    regions = _stub_regions(server)
+    assert len(regions) == 3, regions  # preprocessing, tensorrt_llm, postprocessing
+
+    def http(path, body=None, token=None):
+        req = urllib.request.Request(
+            f"http://{server.http_url}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={REPOSITORY_HEADER: token} if token else {},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    pid, name = regions[0]
+    code, body = http("/v2/systemsharedmemory/region/stub/register", {"key": name, "offset": 0, "byte_size": 1 << 20})
+    assert code == 403 and REPOSITORY_HEADER in body, (code, body)
+    infer = {
+        "inputs": [
+            {"name": "QUERY", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]},
+            {"name": "REQUEST_OUTPUT_LEN", "shape": [1, 1], "datatype": "INT32", "data": [4]},
+        ],
+        "outputs": [
+            {"name": "INPUT_ID", "parameters": {"shared_memory_region": "stub", "shared_memory_byte_size": 64}}
+        ],
+    }
+    code, body = http("/v2/models/preprocessing/infer", infer)
+    assert code == 404 and "unable to find shared memory region: 'stub'" in body.lower(), (code, body)  # none taken
+    for path, post in [
+        ("/v2/systemsharedmemory/status", None),
+        ("/v2/logging", None),
+        ("/v2/logging", {"log_verbose_level": 1}),
+        ("/v2/trace/setting", None),
+        ("/v2/models/stats", None),
+    ]:
+        assert http(path, post)[0] == 403, path
+        assert http(path, post, token="x" * 32)[0] == 403, path
+    assert http("/v2/logging", token=server.repository_token)[0] == 200  # the restriction is the token
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for call in (
+            lambda: c.register_system_shared_memory("stub", name, 1 << 20),
+            lambda: c.update_log_settings({"log_verbose_level": 1}),
+            lambda: c.get_inference_statistics(),
+        ):
+            with pytest.raises(InferenceServerException, match="restricted"):
+                call()
+    finally:
+        c.close()
+
+    for pid, name in regions:
+        path = Path(f"/proc/{pid}/root/dev/shm/{name}")  # the region as the stub sees it
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    if os.geteuid() == 0:  # as another user: neither the real /dev/shm nor the stub's holds a readable region
+        for pid, name in regions:
+            for p in (f"/dev/shm/{name}", f"/proc/{pid}/root/dev/shm/{name}"):
+                r = subprocess.run(["cat", p], capture_output=True, user=65534, group=65534, extra_groups=[])
+                assert r.returncode != 0 and not r.stdout, p
+    assert _stub_regions(server) == regions  # no stub died
+    assert server.healthy() and generate_remote(server.grpc_url, PROMPTS[0], 4)["tokens"] == 4
 
 
 def test_bench_remote_reports(server):

@@ -132,8 +132,9 @@ def emit(
     envvar="BPCOMPILE_REPOSITORY_TOKEN",
     show_envvar=True,
     default=None,
-    help="Token the repository API asks for with --model-control explicit/poll (default: a random one, "
-    "printed). Prefer the environment variable: a command line is visible to other local users.",
+    help="Token the restricted tritonserver APIs (repository, shared memory, logging, trace, statistics) ask for "
+    "in the header bpcompile-repository-token (default: a random one, printed with --model-control explicit/poll, "
+    "told to nobody with none). Prefer the environment variable: a command line is visible to other local users.",
 )
 @click.option(
     "--drain-timeout",
@@ -149,12 +150,48 @@ def emit(
     help="Also serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on this "
     "port, in front of tritonserver.",
 )
-def serve(repo, http_port, grpc_port, metrics_port, host, model_control, repository_token, drain_timeout, openai_port):
+@click.option(
+    "--health-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve GET /health on this port: 200 only while the repository can take requests (503 while starting, "
+    "draining, or once a model process died). What a supervisor should probe.",
+)
+@click.option(
+    "--open-shared-memory",
+    is_flag=True,
+    help="Leave tritonserver's shared-memory API open to every client (UNSAFE: a client can make the server "
+    "write into its model processes' memory and abort it). Default: it needs the repository token.",
+)
+def serve(
+    repo,
+    http_port,
+    grpc_port,
+    metrics_port,
+    host,
+    model_control,
+    repository_token,
+    drain_timeout,
+    openai_port,
+    health_port,
+    open_shared_memory,
+):
     """Serve REPO with tritonserver until SIGINT / SIGTERM. The engine versions REPO holds are first checked
     against their manifests (exit 2 naming a changed file; --no-verify skips it).
 
-    Exit code 0 after a requested, clean stop; 1 when tritonserver died or did not stop cleanly."""
+    Exit code 0 after a requested, clean stop; 1 when tritonserver or a model process died (tritonserver is then
+    stopped) or it did not stop cleanly; 2 for bad input, e.g. two endpoints on one port."""
+    from bpcompile.serving.serve import check_ports
     from bpcompile.serving.serve import serve as _serve
+
+    # before anything is changed or started (serve checks again, for callers from Python)
+    check_ports(
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        openai_port=openai_port,
+        health_port=health_port,
+    )
 
     code = _serve(
         repo,
@@ -167,6 +204,8 @@ def serve(repo, http_port, grpc_port, metrics_port, host, model_control, reposit
         drain_timeout=drain_timeout,
         log=lambda s: click.echo(s, err=True),
         openai_port=openai_port,
+        health_port=health_port,
+        open_shared_memory=open_shared_memory,
     )
     sys.exit(code)
 

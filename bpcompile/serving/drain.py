@@ -10,6 +10,12 @@ drain happens before tritonserver is signalled, while it still runs the ensemble
    final response) and then removes its registration RUN_DIR/generators/<pid>.<n>;
 3. serve waits until no registration of a live process is left (or its drain timeout passes), then sends
    tritonserver SIGTERM, which now has nothing in flight.
+
+The same directory carries each model instance's liveness: every Python-backend model instance registers
+RUN_DIR/instances/<model>.<pid>.<n> once initialized and removes it in finalize (an unload, or tritonserver's
+shutdown). A registration whose process is gone is an instance that died without being unloaded (killed,
+crashed): tritonserver 2.51 keeps reporting such a model ready while every request to it hangs, so serve takes
+a dead instance as the server having failed (see serve.py).
 """
 
 from __future__ import annotations
@@ -77,7 +83,38 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a killed stub stays a zombie until tritonserver reaps it, which it may never do
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: signal 0 is all we can tell
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+class Instance:
+    """A model instance's liveness registration (module doc); nothing without $ENV."""
+
+    def __init__(self, model: str):
+        run = os.environ.get(ENV)
+        self.path = Path(run) / "instances" / f"{model}.{os.getpid()}.{next(_seq)}" if run else None
+        if self.path is not None:
+            self.path.parent.mkdir(exist_ok=True)
+            self.path.touch()
+
+    def close(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def dead_instances(run_dir: Path) -> list[tuple[str, int]]:
+    """(model, pid) of every registered instance whose process is gone without having unregistered."""
+    regs = Path(run_dir) / "instances"
+    out = []
+    for p in regs.iterdir() if regs.is_dir() else ():
+        model, _, rest = p.name.rpartition(".")[0].rpartition(".")
+        pid = rest if model else ""
+        if pid.isdigit() and not _alive(int(pid)) and p.exists():  # exists: not unloaded meanwhile
+            out.append((model, int(pid)))
+    return out
 
 
 def busy_generators(run_dir: Path) -> list[str]:

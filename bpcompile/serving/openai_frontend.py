@@ -96,7 +96,10 @@ class OpenAIFrontend:
         self.text = TextInterface(self.engine / "tokenizer", cfg.limits.max_input_len)
         self.grpc_url, self.timeout = grpc_url, timeout
         self.created = int(time.time())
-        self.accepting = True
+        self.accepting = True  # False while draining: new requests get 503
+        # why the server behind cannot take requests (None: it can); `bpcompile serve` sets its Health check
+        self.health: Callable[[], Optional[str]] = lambda: None
+        self.active, self._active_lock = 0, threading.Lock()  # requests being answered
         self._chat_tok = None
         self._lock = threading.Lock()
         frontend = self
@@ -118,9 +121,19 @@ class OpenAIFrontend:
         self.thread.start()
         return self
 
-    def stop(self) -> None:
-        self.httpd.shutdown()
+    def problem(self) -> Optional[str]:
+        """None when requests can be taken, else why not (the /health answer)."""
+        return "shutting down" if not self.accepting else self.health()
+
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop listening; then wait up to `wait` s for the requests being answered to end (a stream whose server
+        went away still gets its error event)."""
+        if self.thread is not None:
+            self.httpd.shutdown()
         self.httpd.server_close()
+        deadline = time.monotonic() + wait
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     # ---------------------------------------------------------------------------------------------- requests
 
@@ -277,6 +290,9 @@ class OpenAIFrontend:
                 timeout=self.timeout,
             )
         except RemoteError as e:
+            why = self.problem()  # the server failed under the request: not the request's fault
+            if why is not None:
+                raise ApiError(503, f"the inference server is unavailable ({why}): {e}", kind="server_error") from None
             raise ApiError(400, f"the server refused the request: {e}") from None
         except TimeoutError as e:
             raise ApiError(504, str(e), kind="timeout") from None
@@ -348,19 +364,28 @@ class _Handler(BaseHTTPRequestHandler):
         if path == f"/v1/models/{self.app.model_id}":
             return self._json(200, self.app.models()["data"][0])
         if path in ("/health", "/v1/health"):
-            return self._json(
-                200 if self.app.accepting else 503, {"status": "ok" if self.app.accepting else "shutting down"}
-            )
+            why = self.app.problem()
+            return self._json(200 if why is None else 503, {"status": "ok" if why is None else why})
         self._json(404, ApiError(404, f"no route GET {path}", kind="not_found").body())
 
     def do_POST(self) -> None:
+        with self.app._active_lock:
+            self.app.active += 1
+        try:
+            self._post()
+        finally:
+            with self.app._active_lock:
+                self.app.active -= 1
+
+    def _post(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
         started = False
         try:
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 raise ApiError(404, f"no route POST {path}", kind="not_found")
-            if not self.app.accepting:
-                raise ApiError(503, "the server is shutting down", kind="server_error")
+            why = self.app.problem()
+            if why is not None:
+                raise ApiError(503, f"the server is {why}" if why == "shutting down" else why, kind="server_error")
             n = int(self.headers.get("Content-Length") or 0)
             if n > 64 << 20:
                 raise ApiError(413, "request body over 64 MiB")

@@ -80,13 +80,28 @@ def pack_words(words: list[list[int]]) -> np.ndarray:
 
 
 def unpack_words(arr) -> list[list[int]]:
-    arr = np.asarray(arr).reshape(2, -1)
-    words, prev = [], 0
-    for end in arr[1]:
-        if end < 0:
-            break
+    """The words of a [2, N] (or [1, 2, N]) list; ValueError saying what is wrong with a malformed one (offsets
+    past the ids, decreasing, or after the -1 padding): slicing by them would silently drop or merge words."""
+    arr = np.asarray(arr)
+    if arr.ndim not in (2, 3) or arr.shape[-2] != 2 or arr.ndim == 3 and arr.shape[0] != 1:
+        raise ValueError(f"must be a [2, N] word list (token ids, then end offsets), got shape {list(arr.shape)}")
+    arr = arr.reshape(2, -1)
+    words, prev, padded = [], 0, False
+    for i, end in enumerate(int(e) for e in arr[1]):
+        if end == -1:
+            padded = True
+            continue
+        if padded or end < prev or end > arr.shape[1]:
+            why = (
+                "follows the -1 padding"
+                if padded
+                else f"is below the previous one ({prev})"
+                if end < prev
+                else f"is beyond the {arr.shape[1]} token ids"
+            )
+            raise ValueError(f"end offset {end} (word {i}) {why}")
         words.append([int(t) for t in arr[0][prev:end]])
-        prev = int(end)
+        prev = end
     return [w for w in words if w]
 
 

@@ -13,12 +13,14 @@ import it from a source checkout.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,27 @@ from bpcompile.serving import drain
 from bpcompile.serving.protocol import GRPC_REPOSITORY_HEADER, REPOSITORY_HEADER, TOKEN_ENV
 
 _TOKEN = re.compile(r"[A-Za-z0-9._~-]{16,}")  # no , : = (the separators of tritonserver's flag)
+# tritonserver APIs that answer only requests carrying the token header (gRPC: its metadata). shared-memory: a client
+# registering a model stub's /dev/shm region as an output buffer has tritonserver write into the stub's IPC memory
+# (it aborts); logging and trace change what the server records and where; statistics and the repository index
+# tell what is served and how much; the repository API (load) runs a client's code in the server.
+RESTRICTED = ("model-repository", "shared-memory", "logging", "trace", "statistics")
+# Files tritonserver and the model stubs create readable and writable by this user only. It does not reach the
+# Python backend's /dev/shm regions (which hold every request's tensors): boost.interprocess sets their mode to 0644
+# with fchmod after creating them. Those get a private /dev/shm instead (PRIVATE_SHM), and mode 0600 (protect_regions).
+UMASK = 0o077
+# tritonserver in its own mount namespace over a private tmpfs /dev/shm (mode 0700): the stubs' regions are invisible
+# to every process outside it from their creation on (a chmod after creation would leave a window in which another
+# user opens one and keeps the descriptor). Needs CAP_SYS_ADMIN (root); probed before each start.
+PRIVATE_SHM = (
+    "-m",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o mode=700,nosuid,nodev bpcompile-shm /dev/shm && exec "$@"',
+    "sh",
+)
 
 
 def _pytriton_dist() -> Optional[Path]:
@@ -73,13 +96,17 @@ def server_command(
     log_verbose=0,
     exit_timeout=30,
     extra_args=(),
+    open_shared_memory=False,
+    private_shm=False,
 ) -> tuple[list[str], dict]:
     """The tritonserver command line and environment. Nothing is started; run_dir (private to this run)
     receives the backends directory and is where the models look for the drain flag (drain.py).
 
-    With model control explicit or poll, the repository API (index, load, unload) answers only requests
-    carrying the header REPOSITORY_HEADER: repository_token (gRPC: metadata GRPC_REPOSITORY_HEADER): a load
-    request can carry a model's files, so an open one runs any client's code in the server."""
+    The APIs in RESTRICTED (the repository API, shared memory, logging, trace, statistics) answer only requests
+    carrying the header REPOSITORY_HEADER: repository_token (gRPC: metadata GRPC_REPOSITORY_HEADER). Model control
+    explicit or poll needs the token given; with none, a token given is used, else a random one nobody is told
+    (what those APIs offer is then out of every client's reach). open_shared_memory leaves the shared-memory API
+    open (unsafe: see RESTRICTED). private_shm: run it over a private /dev/shm (PRIVATE_SHM; see private_shm_works)."""
     repo = Path(repo_dir).resolve()
     if not (repo / "ensemble" / "config.pbtxt").is_file():
         raise UserError(
@@ -89,7 +116,7 @@ def server_command(
         )
     if model_control not in ("none", "explicit", "poll"):
         raise UserError(f"model_control must be none, explicit or poll, got {model_control!r}")
-    if model_control != "none" and not _TOKEN.fullmatch(repository_token or ""):
+    if (model_control != "none" or repository_token) and not _TOKEN.fullmatch(repository_token or ""):
         raise UserError(
             f"model control {model_control} needs a repository API token: at least 16 characters "
             f"among letters, digits and . _ ~ - (${TOKEN_ENV})",
@@ -129,11 +156,12 @@ def server_command(
         f"--log-verbose={log_verbose}",
         f"--exit-timeout-secs={exit_timeout}",
     ]
-    if model_control != "none":
-        args += [
-            f"--http-restricted-api=model-repository:{REPOSITORY_HEADER}={repository_token}",
-            f"--grpc-restricted-protocol=model-repository:{REPOSITORY_HEADER}={repository_token}",
-        ]
+    apis = ",".join(a for a in RESTRICTED if not (open_shared_memory and a == "shared-memory"))
+    token = repository_token or secrets.token_urlsafe(24)
+    args += [
+        f"--http-restricted-api={apis}:{REPOSITORY_HEADER}={token}",
+        f"--grpc-restricted-protocol={apis}:{REPOSITORY_HEADER}={token}",
+    ]
     if model_control == "explicit":
         args += [f"--load-model={m}" for m in load_models]
     if model_control == "poll":
@@ -150,7 +178,20 @@ def server_command(
                 key="target",
             )
         cmd = mpi_command(cmd, world, engines, mpirun)
+    if private_shm:
+        cmd = [shutil.which("unshare") or "unshare", *PRIVATE_SHM, *cmd]
     return cmd, env
+
+
+def private_shm_works() -> bool:
+    """Whether this process may give tritonserver a private /dev/shm (PRIVATE_SHM): root, util-linux unshare."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not Path("/dev/shm").is_dir():
+        return False
+    try:
+        return subprocess.run([unshare, *PRIVATE_SHM, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def trtllm_world(repo: Path) -> tuple[int, list[str]]:
@@ -224,8 +265,8 @@ def describe_exit(code: Optional[int]) -> str:
 class ServerProcess:
     """A running tritonserver; a context manager (`with ServerProcess(repo) as s: s.http_url`).
 
-    With model control explicit or poll, `repository_token` (generated when not given) is what the
-    repository API asks for (see server_command)."""
+    `repository_token` (generated when not given) is what the restricted APIs ask for (see server_command).
+    Model instances that die (killed, crashed) without being unloaded are reported by dead_instances()."""
 
     def __init__(
         self,
@@ -242,16 +283,20 @@ class ServerProcess:
         startup_timeout=300.0,
         log_verbose=0,
         exit_timeout=30,
+        open_shared_memory=False,
     ):
         self.repo_dir, self.host, self.model_control = repo_dir, host, model_control
+        self.open_shared_memory = open_shared_memory
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        self.repository_token = repository_token or (secrets.token_urlsafe(24) if model_control != "none" else None)
+        self.repository_token = repository_token or secrets.token_urlsafe(24)
         self.load_models, self.log_verbose, self.exit_timeout = load_models, log_verbose, exit_timeout
         self.log_file = Path(log_file) if log_file else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.startup_timeout = startup_timeout
         self.proc: Optional[subprocess.Popen] = None
+        # a client's shared-memory regions live in the real /dev/shm: an open API needs the server to see it
+        self.private_shm: Optional[bool] = None
         self.run_dir: Optional[Path] = None
         self.cmd: Optional[list[str]] = None
 
@@ -277,6 +322,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         self.run_dir = Path(tempfile.mkdtemp(prefix="bpcompile-serve-"))
+        self.private_shm = not self.open_shared_memory and private_shm_works()
         try:
             self.cmd, env = server_command(
                 self.repo_dir,
@@ -290,6 +336,8 @@ class ServerProcess:
                 load_models=self.load_models,
                 log_verbose=self.log_verbose,
                 exit_timeout=self.exit_timeout,
+                open_shared_memory=self.open_shared_memory,
+                private_shm=self.private_shm,
             )
             with open(self.log_file, "ab") as log:
                 # own process group: a terminal's Ctrl-C reaches only us, and we stop the server deliberately
@@ -301,8 +349,16 @@ class ServerProcess:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     cwd=str(Path(self.repo_dir).resolve()),
+                    umask=UMASK,
                 )
             self.wait_ready()
+            self.protect_regions()
+            if not self.private_shm:
+                with open(self.log_file, "a") as log:
+                    log.write(
+                        "bpcompile: no private /dev/shm for tritonserver (not root, or --open-shared-memory): its "
+                        "shared-memory regions are mode 0600 from a moment after their creation\n"
+                    )
         except BaseException:
             self.stop(drain_timeout=0)
             raise
@@ -336,6 +392,58 @@ class ServerProcess:
     def healthy(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self._get("/v2/health/ready") == 200
 
+    def dead_instances(self) -> list[tuple[str, int]]:
+        """(model, pid) of model instances whose process died without being unloaded (drain.py)."""
+        return drain.dead_instances(self.run_dir) if self.run_dir is not None else []
+
+    def _stubs(self) -> list[tuple[int, list[str]]]:
+        """(pid, command line) of tritonserver's child processes (the Python backend stubs)."""
+        out = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                pids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    out.append(
+                        (int(pid), Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+                    )
+                except OSError:
+                    pass
+        return out
+
+    def regions(self) -> list[Path]:
+        """The stubs' shared-memory regions, as paths through each stub's root (a private /dev/shm or the real one)."""
+        out = []
+        for pid, cmd in self._stubs():
+            if len(cmd) > 2 and cmd[0].endswith("triton_python_backend_stub") and "/" not in cmd[2]:
+                out.append(Path(f"/proc/{pid}/root/dev/shm/{cmd[2]}"))
+        return out
+
+    def protect_regions(self) -> None:
+        """Mode 0600 for every stub's region (boost.interprocess creates them 0644; see UMASK)."""
+        for p in self.regions():
+            try:
+                if stat.S_IMODE(p.stat().st_mode) != 0o600:
+                    p.chmod(0o600)
+            except OSError:  # the stub went away meanwhile
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL tritonserver and its stubs now (open streams end with a connection error, not a hang), and
+        remove the stubs' shared-memory regions, which only a clean shutdown removes."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        regions = [p.name for p in self.regions()]
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for name in regions:  # (a private /dev/shm went with its last process)
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
     def drain(self, timeout: float = 30.0, stop_waiting=lambda: False) -> bool:
         """Generators refuse new requests and finish their running ones; True when all went idle in time."""
         if self.proc is None or self.proc.poll() is not None or self.run_dir is None:
@@ -357,8 +465,7 @@ class ServerProcess:
                 try:
                     self.proc.wait(self.exit_timeout + 15)
                 except subprocess.TimeoutExpired:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait()
+                    self.kill()
         finally:
             if self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -370,6 +477,90 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class Health:
+    """Whether the served repository can take requests, as `bpcompile serve` reports it on /health (--health-port,
+    and the OpenAI endpoint's): tritonserver's own /v2/health/ready cannot say "draining" (2.51 has no switch for
+    it; its model readiness is load state only), and stays 200 for a model whose stub process died."""
+
+    def __init__(self, server: ServerProcess):
+        self.server, self.started, self.stopping = server, False, None
+
+    def problem(self) -> Optional[str]:
+        """None when ready, else why not."""
+        p = self.server.proc
+        if self.stopping:
+            return self.stopping
+        if p is None or not self.started:
+            return "starting"
+        if p.poll() is not None:
+            return f"tritonserver exited ({describe_exit(p.returncode)})"
+        dead = self.server.dead_instances()
+        return f"model {', '.join(f'{m} (pid {pid})' for m, pid in dead)} died" if dead else None
+
+
+class HealthServer:
+    """GET /health: 200 {"status": "ready"} or 503 {"status": "unavailable", "reason": ...} from Health.problem."""
+
+    def __init__(self, host: str, port: int, problem):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if self.path.split("?")[0].rstrip("/") not in ("/health", "/health/ready"):
+                    code, body = 404, {"error": f"no route GET {self.path}"}
+                else:
+                    why = problem()
+                    code, body = (
+                        (200, {"status": "ready"}) if why is None else (503, {"status": "unavailable", "reason": why})
+                    )
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}/health"
+
+    def start(self) -> "HealthServer":
+        import threading
+
+        threading.Thread(target=self.httpd.serve_forever, name="bpcompile-health", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def check_ports(**ports) -> None:
+    """Each endpoint its own port (option name -> port; None: not served), refused before anything starts."""
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port is None:
+            continue
+        opt = "--" + name.replace("_", "-")
+        if port in seen:
+            raise UserError(f"{seen[port]} and {opt} are both {port}: give each endpoint its own port", key=opt)
+        seen[port] = opt
+
+
+def _bind(opt: str, port: int, make):
+    try:
+        return make()
+    except OSError as e:
+        raise UserError(f"{opt} {port}: cannot listen there ({e.strerror})", key=opt) from None
 
 
 def serve(
@@ -384,16 +575,30 @@ def serve(
     log=print,
     log_file=None,
     openai_port=None,
+    health_port=None,
+    open_shared_memory=False,
 ) -> int:
     """Start tritonserver, wait until the ensemble is ready, print the endpoints, and block until SIGINT or
     SIGTERM; then drain and stop it (a second signal skips what is left of the drain). openai_port: also serve
-    the OpenAI-compatible endpoint there (serving/openai_frontend.py), in this process.
+    the OpenAI-compatible endpoint there (serving/openai_frontend.py), in this process; health_port: serve
+    /health there (Health), which is what a supervisor should probe.
+
+    A model instance whose process dies (killed, crashed) is not recovered in place: tritonserver keeps it
+    "ready" while its requests hang, so serve kills tritonserver at once (open streams get a connection error, not
+    a hang; readiness is false everywhere) and returns 1 for a supervisor to restart it.
 
     Returns the exit code for a supervisor: 0 when a signal asked for the stop and tritonserver exited
-    cleanly; 1 when tritonserver died by itself (any code or signal) or did not stop cleanly."""
+    cleanly; 1 when tritonserver or a model instance died by itself, or tritonserver did not stop cleanly."""
     from bpcompile.serving import emit
     from bpcompile.serving.integrity import verify_before_serving
 
+    check_ports(
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        openai_port=openai_port,
+        health_port=health_port,
+    )
     # A build killed mid-switch leaves some models on the new version and some on the old one until the next
     # emission replays its journal: replay it here too, so a server never loads a half-switched repository.
     if (Path(repo_dir) / emit.MARKER).is_file():
@@ -409,40 +614,70 @@ def serve(
         model_control=model_control,
         repository_token=repository_token,
         log_file=log_file,
+        open_shared_memory=open_shared_memory,
     )
+    health = Health(s)
     signals = []
-    frontend = None
+    frontend = checker = None
     old = {
         sig: signal.signal(sig, lambda signum, _frame: signals.append(signum))
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        log(f"starting tritonserver (log: {s.log_file})")
-        s.start()
-        log(f"tritonserver pid {s.proc.pid}, model control {model_control}")
+        # both listen before tritonserver starts: a port in use is an error naming its option, nothing started
+        if health_port is not None:
+            checker = _bind("--health-port", health_port, lambda: HealthServer(host, health_port, health.problem))
+            checker.start()  # 503 "starting" until the ensemble is ready
         if openai_port is not None:
             from bpcompile.serving.openai_frontend import OpenAIFrontend
 
-            frontend = OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port).start()
+            frontend = _bind(
+                "--openai-port", openai_port, lambda: OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port)
+            )
+            frontend.health = health.problem
+        log(f"starting tritonserver (log: {s.log_file})")
+        s.start()
+        health.started = True
+        log(f"tritonserver pid {s.proc.pid}, model control {model_control}")
+        if frontend is not None:
+            frontend.start()
         ends = s.endpoints()
-        if frontend is not None:  # before the log line, which supervisors and tests take as "ready"
-            ends = {**{k: v for k, v in ends.items() if k != "log"}, "openai": frontend.url, "log": ends["log"]}
+        extra = {"openai": frontend and frontend.url, "health": checker and checker.url}
+        # before the log line, which supervisors and tests take as "ready"
+        ends = {**{k: v for k, v in ends.items() if k != "log"}, **{k: v for k, v in extra.items() if v}}
+        ends["log"] = str(s.log_file)
         for k, v in ends.items():
             log(f"{k:8s} {v}")
-        if model_control != "none":
+        apis = ", ".join(a for a in RESTRICTED if not (open_shared_memory and a == "shared-memory"))
+        if repository_token or model_control != "none":
             shown = f"${TOKEN_ENV}" if repository_token else s.repository_token
             log(
-                f"repository API: only with header {REPOSITORY_HEADER}: {shown} "
-                f"(gRPC metadata {GRPC_REPOSITORY_HEADER})"
+                f"restricted APIs ({apis}): only with header {REPOSITORY_HEADER}: {shown} (gRPC metadata {GRPC_REPOSITORY_HEADER})"
             )
-        while not signals and s.proc.poll() is None:
+        else:
+            log(f"restricted APIs ({apis}): closed (set ${TOKEN_ENV} to reach them with header {REPOSITORY_HEADER})")
+        if open_shared_memory:
+            log("shared-memory API open to every client (--open-shared-memory): unsafe, see docs/SECURITY.md")
+        dead = []
+        while not signals and s.proc.poll() is None and not dead:
             time.sleep(0.2)
+            dead = s.dead_instances()
+            if not s.private_shm:
+                s.protect_regions()  # new stubs (a version loaded) have new regions
+        if dead:
+            health.stopping = health.problem()
+            log(f"{health.stopping}: stopping tritonserver (exit 1: a supervisor restarts serve)")
+            s.kill()
+            if frontend is not None:
+                frontend.stop(wait=5)  # open OpenAI streams end with their error event
+            return 1
         if not signals:
             code = s.proc.returncode
             s.stop()
             log(f"tritonserver exited by itself ({describe_exit(code)}); log: {s.log_file}")
             return 1
         log(f"{signal.Signals(signals[0]).name}: draining (up to {drain_timeout:g}s; again to stop now)")
+        health.stopping = "shutting down"
         if frontend is not None:
             frontend.accepting = False  # new OpenAI requests get 503 while the running ones finish
         code = s.stop(drain_timeout=drain_timeout, stop_waiting=lambda: len(signals) > 1)
@@ -452,5 +687,6 @@ def serve(
         for sig, h in old.items():
             signal.signal(sig, h)
         s.stop(drain_timeout=0)
-        if frontend is not None:
-            frontend.stop()
+        for srv in (frontend, checker):
+            if srv is not None:
+                srv.stop()

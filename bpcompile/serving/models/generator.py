@@ -40,7 +40,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from bpcompile.runtime.inflight import InflightLoop, LoopRequest
-from bpcompile.serving.drain import ModelDrain
+from bpcompile.serving.drain import Instance, ModelDrain
 from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, backend_options,
                                        check_sampling, context_window, delta_text, scalar, unpack_words)
 
@@ -167,6 +167,8 @@ class TritonPythonModel:
         self.loop = _TritonLoop(self).start()
         # `bpcompile serve` drains before stopping tritonserver: new requests refused, running ones finish
         self.drain = ModelDrain(self.loop.thread, self.loop.stop)
+        # last, once initialized: serve tells an unloaded instance from one that died (drain.py)
+        self.alive = Instance(args["model_name"])
 
     # --- request intake (Triton's thread) ---------------------------------------------------------------
 
@@ -188,6 +190,13 @@ class TritonPythonModel:
             stream = scalar(get, "stream", False, bool)
             default_end = self.text.eos
         else:
+            ids = np.asarray(ids).reshape(-1)
+            n = scalar(get, "input_lengths", None, int)
+            if n is not None:  # tensorrtllm_backend's semantics: the first input_lengths ids are the prompt, the
+                if not 1 <= n <= ids.size:  # rest padding
+                    raise BadRequest(f"input_lengths {n} is outside [1, {ids.size}] (input_ids holds {ids.size} "
+                                     "tokens)")
+                ids = ids[:n]
             if ids.size > self.max_input_len:
                 raise BadRequest(f"the prompt has {ids.size} tokens; this engine takes at most "
                                  f"{self.max_input_len} (limits.max_input_len)")
@@ -233,8 +242,8 @@ class TritonPythonModel:
         a = get(name)
         try:
             return [] if a is None else unpack_words(a)
-        except ValueError:
-            raise BadRequest(f"{name} must be a [2, N] word list (token ids, then end offsets)") from None
+        except ValueError as e:
+            raise BadRequest(f"{name}: {e}") from None
 
     def execute(self, requests):
         for request in requests:
@@ -330,6 +339,7 @@ class TritonPythonModel:
 
     def finalize(self):
         # Unloading (a new version loaded, or an explicit unload): requests already running finish first.
+        self.alive.close()
         self.drain.close()
         self.loop.stop()
         self.loop.thread.join(timeout=300)

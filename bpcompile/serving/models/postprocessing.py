@@ -15,6 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
+from bpcompile.serving.drain import Instance
 from bpcompile.serving.protocol import answer_each, delta_text
 
 PASS_THROUGH = ["RESPONSE_INDEX", "FINISH_REASON", "acceptance_rate", "total_accepted_draft_tokens",
@@ -28,6 +29,10 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         self.format = cfg.get("parameters", {}).get("input_format", {}).get("string_value", "native")
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.alive = Instance(args["model_name"])  # serve tells an unloaded instance from one that died (drain.py)
+
+    def finalize(self):
+        self.alive.close()
 
     def _native(self, request):
         def get(name):

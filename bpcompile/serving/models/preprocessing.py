@@ -11,6 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from bpcompile.core.engine import EngineConfig
+from bpcompile.serving.drain import Instance
 from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, answer_each, pack_words,
                                        scalar)
 
@@ -32,6 +33,10 @@ class TritonPythonModel:
         # layout); its limits say how long a prompt can be.
         engine = Path(args["model_repository"]).parent / "tensorrt_llm" / args["model_version"] / "engine"
         self.text = TextInterface(version / "tokenizer", EngineConfig.load(engine).limits.max_input_len)
+        self.alive = Instance(args["model_name"])  # serve tells an unloaded instance from one that died (drain.py)
+
+    def finalize(self):
+        self.alive.close()
 
     def _one(self, request):
         get = lambda name: _optional(request, name)  # noqa: E731
