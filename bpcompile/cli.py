@@ -125,8 +125,10 @@ def validate(recipe, as_json):
     from bpcompile.compiler.recipe import load_recipe
 
     loaded = load_recipe(recipe)
+    for note in loaded.notes:
+        err.print(f"warning: {note}", markup=False, soft_wrap=True)
     if as_json:
-        _emit_json({"valid": True, "recipe": loaded.resolved_dict()})
+        _emit_json({"valid": True, "recipe": loaded.resolved_dict(), "notes": loaded.notes})
     else:
         click.echo(f"{recipe}: ok ({loaded.recipe.name}: verifier {loaded.verifier_dir}, draft {loaded.draft_dir})")
 

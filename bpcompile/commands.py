@@ -16,10 +16,13 @@ from bpcompile.core.store import MANIFEST, engine_version_dir, no_verify_option,
 from bpcompile.core.switches import runtime_options
 
 
-def _device(value: str) -> str:
-    """A torch device string, checked before any model is loaded (exit 2 naming the option)."""
+def _device(value: Optional[str]) -> Optional[str]:
+    """A torch device string (or auto, or None: the engine's runtime.device), checked before any model is loaded
+    (exit 2 naming the option)."""
     import torch
 
+    if value in (None, "auto"):
+        return value
     try:
         dev = torch.device(value)
     except RuntimeError:
@@ -66,10 +69,9 @@ def _device(value: str) -> str:
 )
 @click.option(
     "--device",
-    default="cpu",
-    show_default=True,
+    default=None,
     callback=lambda c, p, v: _device(v),
-    help="Where the models run: cpu, cuda or cuda:N.",
+    help="Where the models run: cpu, cuda, cuda:N or auto [default: the engine's runtime.device].",
 )
 @click.option("--json", "as_json", is_flag=True)
 def generate(
@@ -222,7 +224,7 @@ def generate_text(
     chat: bool = True,
     executor: Optional[str] = None,
     tp: Optional[int] = None,
-    device: str = "cpu",
+    device: Optional[str] = None,
 ) -> dict:
     """`bpcompile generate`: stream tokens to stdout as they come, statistics at the end."""
     from tokenizers import Tokenizer

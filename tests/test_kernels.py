@@ -342,22 +342,6 @@ def test_packed_tree_mask_format():
 
 
 # ------------------------------------------------------------------------------------------------
-# the GPU benchmark's correctness part (what `scripts/bench_gpu.py --cpu-smoke` runs)
-
-
-def test_bench_gpu_cpu_smoke():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.check_correctness(torch.device("cpu"), tiny=True)
-    assert bench.RESULTS["correctness"] and all(r["ok"] for r in bench.RESULTS["correctness"])
-
-
-# ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation (sm_90a cubins + C launchers, no GPU needed) and the TensorRT plugin project
 
 

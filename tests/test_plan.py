@@ -109,7 +109,8 @@ def test_feature_draft_counts_only_its_own_weights():
 def test_exact_entries_add_their_copies_per_sequence():
     """With an FP16 sink and window each sequence holds sink + window + one tree of FP16 K/V per unit: on the 70B
     recipe at tp 8, 80 layers x 1 KV head x K|V x 128 x 2 bytes x (1 + 16 + 6) per sequence, 64 sequences."""
-    base = _recipe_70b()
+    # on the CPU, whose attention reads these entries (for runtime.device cuda their auto settings are off)
+    base = {**_recipe_70b(), "runtime": {"device": "cpu"}}
     models = {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}}
     kv = {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16, "int5_keys": "none"}
     exact = {**base, "models": models, "kv_cache": {**kv, "retrieval_fraction": 0.0}}

@@ -165,6 +165,8 @@ def build(recipe_path: str | Path, *, force: bool = False, reporter: Optional[Re
     """Build and publish one engine version (nothing is published when any stage fails)."""
     rep = reporter or Reporter()
     loaded = load_recipe(recipe_path)
+    for note in loaded.notes:
+        rep.log(f"warning: {note}")
     r = loaded.recipe
     if r.triton.emit:  # emission needs the [serve] extra: fail here, not after publishing a version
         try:

@@ -64,6 +64,9 @@ class LoadedRecipe(BaseModel):
     store_dir: Path
     triton_repo_dir: Path
     calibration_file: Optional[Path] = None
+    # warnings for the user that do not stop a build (validate and build print them), e.g. where a CUDA
+    # recipe would run when this machine has no GPU
+    notes: list[str] = []
 
     def resolved_dict(self) -> dict:
         """The recipe as built: defaults filled in, paths absolute. Stored in every engine version."""
@@ -262,7 +265,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         problems.append((line, f"{path}:{line}: {_key(loc)}: {msg}"))
 
     kvc = recipe.kv_cache
-    if (kvc.sink_tokens or kvc.recent_window) and not recipe.exact_entries_readable:
+    gpu = recipe.runtime.device != "cpu" and recipe.target == "native" and not recipe.runtime.wants_onnx
+    for loc, msg in kernel_problems(recipe, None) if gpu else []:  # the cache's shape is checked with the configs
+        problem(loc, msg)
+    if not gpu and (kvc.sink_tokens or kvc.recent_window) and not recipe.exact_entries_readable:
         key = "recent_window" if kvc.recent_window else "sink_tokens"
         problem(
             ("kv_cache", key),
@@ -270,7 +276,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
             "torch executor only, on a quantized format (not by the ONNX graphs, the TensorRT plugin or "
             "TensorRT-LLM); set them to 0 or leave them auto",
         )
-    if (kvc.int6_keys == "early" or kvc.int3_values) and not recipe.exact_entries_readable:
+    if (kvc.int6_keys == "early" or kvc.int3_values) and not recipe.exact_entries_readable and not gpu:
         key = "int6_keys" if kvc.int6_keys == "early" else "int3_values"
         problem(
             ("kv_cache", key),
@@ -278,7 +284,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
             "(not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); set int6_keys: none and "
             "int3_values: 0, or leave them auto",
         )
-    if kvc.key_transform == "klt" and not recipe.exact_entries_readable:
+    if kvc.key_transform == "klt" and not recipe.exact_entries_readable and not gpu:
         problem(
             ("kv_cache", "key_transform"),
             "KLT keys (stored before RoPE in a calibrated basis) are read by the "
@@ -369,6 +375,9 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
             if role == "verifier" and c["num_hidden_layers"] < pp:  # the draft is not pipeline-split
                 problem(("parallel", "pp"), f"pp={pp} exceeds the {role}'s {c['num_hidden_layers']} layers")
         hd = cfg["head_dim"]
+        for loc, msg in kernel_problems(recipe, hd) if gpu else []:
+            if loc[-1] == "group_size":
+                problem(loc, msg)
         gs = recipe.kv_cache.group_size
         if recipe.kv_cache.format == "int4-fp8-outlier" and hd % gs:
             problem(("kv_cache", "group_size"), f"group_size={gs} must divide the verifier's head size {hd}")
@@ -382,7 +391,9 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         ctx = context_length(cfg)
         if recipe.limits.max_seq_len > ctx:
             problem(("limits", "max_seq_len"), f"{recipe.limits.max_seq_len} exceeds the verifier's context ({ctx})")
-        if recipe.target == "native":
+        if recipe.target == "native" and recipe.runtime.device != "cpu":
+            loaded.notes += device_notes(recipe, cfg, configs.get("draft"))
+        elif recipe.target == "native":  # on the CPU the KV cache is in this machine's memory
             from bpcompile.compiler.plan import kv_pool_bytes
 
             need, have = kv_pool_bytes(recipe, cfg, configs.get("draft")), physical_memory()
@@ -399,10 +410,92 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
     if problems:
         problems.sort(key=lambda p: p[0] or 0)
         msg = "invalid recipe:\n  " + "\n  ".join(p for _, p in problems)
+        if recipe.target == "native" and recipe.runtime.device != "cpu":  # what it would use, even so
+            tp = recipe.parallel.tp
+            msg += "\n" + "\n".join(
+                f"note: {n}"
+                for n in loaded.notes
+                or [
+                    f"runtime.device {recipe.runtime.device}: the engine would run at tp {tp} on {tp} "
+                    f"GPU{'s' if tp > 1 else ''}{'' if cuda_devices() else '; no CUDA device on this machine'} "
+                    "(per-GPU memory: bpcompile plan, which reads the models' config.json alone)"
+                ]
+            )
         err = UserError(msg)
         err.file, err.line = str(path), problems[0][0]
         raise err
     return loaded
+
+
+def kernel_problems(recipe: EngineConfig, head_size: Optional[int]) -> list[tuple[tuple, str]]:
+    """What in the recipe's KV plan the GPU's Triton kernels cannot read, as (key path, why) pairs; the cache's
+    shape is checked where head_size is given. Empty on the CPU and for FP16 caches (PyTorch attends those on
+    either device). On CUDA the kernels are the only attention path: a plan they cannot read is refused here
+    rather than run on another path than the one validated. What they read: the precisions of
+    KERNEL_PRECISIONS in bpcompile/runtime/kvcache.py (INT4, FP8, INT8, INT5; the kernels' codes 0-3)."""
+    kv = recipe.kv_cache
+    if recipe.runtime.device == "cpu" or kv.format == "fp16":
+        return []
+    on = f"runtime.device {recipe.runtime.device}: the GPU's Triton kernels"
+    out = []
+    if kv.sink_tokens or kv.recent_window:
+        key = "recent_window" if kv.recent_window else "sink_tokens"
+        out.append((("kv_cache", key), f"{on} do not read exact FP16 (sink / recent-window) entries; set {key}: 0"))
+    if kv.key_transform == "klt":
+        out.append((("kv_cache", "key_transform"), f"{on} do not read KLT keys; set key_transform: none"))
+    if kv.int6_keys == "early":
+        out.append((("kv_cache", "int6_keys"), f"{on} do not read INT6 units; set int6_keys: none"))
+    if kv.int3_values:
+        out.append((("kv_cache", "int3_values"), f"{on} do not read INT3 units; set int3_values: 0"))
+    if head_size is not None:
+        from bpcompile.kernels.shapes import check_shape
+
+        why = check_shape(head_size, min(kv.group_size, head_size))
+        if why:
+            out.append((("kv_cache", "group_size"), f"{on} cannot take this cache: {why}"))
+    return out
+
+
+def cuda_devices() -> list[tuple[str, int]]:
+    """(name, memory in bytes) of each GPU torch sees on this machine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [
+        (p.name, p.total_memory)
+        for p in (torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))
+    ]
+
+
+def device_notes(recipe: Recipe, verifier: dict, draft: Optional[dict]) -> list[str]:
+    """What a GPU recipe would use (device, tp, per-GPU memory by `bpcompile plan`'s figures) and whether this
+    machine has it. Notes, not problems: the build itself runs on the CPU, and the build box is often not the
+    server."""
+    from bpcompile.compiler.plan import DEVICES, GB, Device, plan
+
+    gpus = cuda_devices()
+    tp = recipe.parallel.tp
+    dev = Device(gpus[0][0], gpus[0][1], DEVICES["h200"].bandwidth) if gpus else DEVICES["h200"]
+    p = plan(recipe, verifier, draft, dev)
+    use = (
+        f"runtime.device {recipe.runtime.device}: the engine runs at tp {tp} on {tp} GPU{'s' if tp > 1 else ''}, "
+        f"per GPU {p['total_bytes'] / GB:.1f} GB (weights {p['weights_bytes'] / GB:.1f} + KV caches "
+        f"{p['kv_bytes'] / GB:.1f} + activations {p['activations_bytes'] / GB:.1f}) of "
+        f"{p['usable_bytes'] / GB:.1f} GB usable on {'this machine' if gpus else 'an'} {dev.name}"
+        f"{'' if gpus else ' (bpcompile plan --device for another GPU)'}"
+        f"{'' if p['fits'] else ': it does NOT fit (bpcompile plan shows the smallest tp that does)'}"
+    )
+    if not gpus:
+        then = (
+            "it would run on the CPU here (auto)"
+            if recipe.runtime.device == "auto"
+            else "this machine can build the engine, not run it (generate / serve --device cpu run it on the CPU)"
+        )
+        return [f"{use}; no CUDA device on this machine: {then}"]
+    if len(gpus) < tp:
+        return [f"{use}; this machine has {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}, fewer than tp = {tp}"]
+    return [use]
 
 
 def context_length(cfg: dict) -> int:

@@ -16,6 +16,7 @@ from bpcompile.core.errors import UserError
 ENGINE_FILE = "engine.json"
 TARGETS = ("native", "tensorrt", "tensorrt-llm")
 EXECUTORS = ("torch", "onnxruntime")
+DEVICES = ("cpu", "cuda", "auto")
 
 
 class _Strict(BaseModel):
@@ -195,6 +196,13 @@ class Runtime(_Strict):
         "packed = oneDNN-packed only; plain = PyTorch's plain products",
     )
 
+    device: Literal[DEVICES] = Field(
+        "cpu",
+        description="where the models run: cpu; cuda (the GPU's Triton kernels are the attention, so the KV "
+        "plan must be one they read; the Triton repository declares GPU instances); auto = cuda where torch "
+        "sees a GPU when the engine starts, else cpu (the plan as for cuda)",
+    )
+
     @property
     def wants_onnx(self) -> bool:
         return self.onnx or self.executor == "onnxruntime"
@@ -216,7 +224,12 @@ class EngineConfig(_Strict):
     @property
     def exact_entries_readable(self) -> bool:
         """Whether this engine's runtime reads a plan's exact (FP16 sink / window) entries."""
-        return self.target == "native" and not self.runtime.wants_onnx and self.kv_cache.format != "fp16"
+        return (
+            self.target == "native"
+            and not self.runtime.wants_onnx
+            and self.kv_cache.format != "fp16"
+            and self.runtime.device == "cpu"  # on a GPU the Triton kernels are the attention
+        )
 
     @model_validator(mode="after")
     def _resolve_kv(self):
@@ -278,3 +291,31 @@ class EngineConfig(_Strict):
             first = e.errors()[0]
             where = ".".join(map(str, first["loc"]))
             raise UserError(f"invalid engine config: {where}: {first['msg']}", file=str(f)) from None
+
+
+NO_CUDA = (
+    "no CUDA device: this engine was built for runtime.device cuda and torch sees no GPU on this machine; "
+    "run with --device cpu to use the CPU"
+)
+
+
+def resolve_device(requested: Optional[str], engine_device: str = "cpu") -> str:
+    """The torch device an engine runs on: `requested` (cpu, cuda, cuda:N, auto; a command's --device) or else
+    the engine's runtime.device; auto = cuda where torch sees a GPU now, else cpu. UserError (exit 2) when CUDA
+    is asked for and absent, naming how to run on the CPU instead."""
+    import torch
+
+    dev = requested or engine_device
+    if dev == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(dev).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"device {dev!r}: expected auto, cpu, cuda or cuda:N", key="device")
+    if kind == "cuda" and not torch.cuda.is_available():
+        if requested and requested != "auto" and engine_device == "cpu":
+            raise UserError(f"--device {requested}: torch sees no CUDA device on this machine", key="device")
+        raise UserError(NO_CUDA, key="runtime.device")
+    return dev

@@ -15,8 +15,8 @@ The entry points run on CUDA tensors (compiled by Triton's JIT) and on CPU tenso
 interpreter (what the tests use; slow, keep shapes small). `bpcompile.compiler.aot` compiles the same kernels
 ahead of time for an engine (sm_90a cubins + C launchers, which the TensorRT plugin wraps).
 
-Nothing here imports from the rest of bpcompile but the tree-mask packing (only torch and triton): the AOT compile imports this module
-in a bare subprocess, and scripts/bench_gpu.py runs on machines that have only torch + triton.
+Nothing here imports from the rest of bpcompile but the tree-mask packing and the shape rule (only torch and triton): the AOT compile imports this module
+in a bare subprocess, and benchmarks/gpu_check.py checks them on a GPU (docs/GPU.md).
 See docs/KERNELS.md for what is verified where.
 """
 
@@ -38,6 +38,7 @@ if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ and not 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from bpcompile.kernels.shapes import check_shape  # noqa: E402, F401  (the kernels' entry points and callers use it)
 from bpcompile.kernels.tree_mask import pack_bool_mask  # noqa: E402
 
 # Unit precision codes (bpcompile.runtime.kvcache): 0 = INT4, 1 = FP8, 2 = INT8, 3 = INT5. Kernels use the literals: a
@@ -477,14 +478,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def check_shape(head_size: int, group_size: int) -> str | None:
-    """Why the kernels can't serve this cache shape (None if they can): aranges need powers of two and
-    tl.dot needs a reduction of at least 16 (the half-rows of D/2)."""
-    if head_size < 32 or head_size & (head_size - 1):
-        return f"head_size {head_size} is not a power of two >= 32"
-    if group_size & (group_size - 1) or head_size % group_size:
-        return f"group size {group_size} is not a power of two dividing head_size {head_size}"
-    return None
+N_POOLS = 18  # the kernels' pool arguments: a payload and a scale pool for each of the 9 unit precisions
 
 
 def _store_args(store):
@@ -608,7 +602,7 @@ def paged_attention(
     block_m = 16 if G * R <= 16 else 64
     m_blocks = triton.cdiv(G * R, block_m)
     # 32-token tiles keep the compiled kernel near 160 registers/thread (64 reaches ~240 at D = 128, sm_90);
-    # the interpreter prefers few large tiles. scripts/bench_gpu.py sweeps both knobs on the GPU.
+    # the interpreter prefers few large tiles. benchmarks/gpu_check.py --sweep times both knobs on the GPU.
     block_n = block_n or (DEFAULT_BLOCK_N if q.is_cuda else 64)
     max_tokens = block_tables.shape[1] * PAGE
     if num_splits is None:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from bpcompile.core.engine import EXECUTORS, EngineConfig
+from bpcompile.core.engine import EXECUTORS, EngineConfig, resolve_device
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import MANIFEST, verify_enabled, verify_version
 from bpcompile.runtime.executor import Executor
@@ -151,7 +151,7 @@ class Generator:
         engine_dir,
         *,
         tree: Optional[TreeSpec] = None,
-        device: str = "cpu",
+        device: Optional[str] = None,
         kv_store_factory: Optional[KVStoreFactory] = None,
         draft_kv_store_factory: Optional[KVStoreFactory] = None,
         executor: Optional[str] = None,
@@ -171,7 +171,8 @@ class Generator:
         runs one process per rank (runtime/tp.py; call `close()` to stop them). Default: the engine's
         parallel.tp when its pp is 1, else 1. pack: on CPU with the torch executor, lay float32 models' weights
         out as the engine's runtime.cpu_weights says (`Llama.pack_for_cpu`; False keeps plain modules, e.g. for
-        ONNX export).
+        ONNX export). device: cpu, cuda, cuda:N or auto (default: the engine's runtime.device; UserError when it
+        needs CUDA and torch sees none).
         verify: first check the version's files against its manifest.json (core/store.py `verify_version`:
         UserError naming a changed file; about 1-2 s per GB); default: yes unless $BPCOMPILE_VERIFY is 0. A
         directory without a manifest (assembled by hand, not published by a build) has nothing to check against.
@@ -182,6 +183,7 @@ class Generator:
         if not (d / "verifier" / "config.json").is_file():
             raise UserError(f"{d}: no converted verifier checkpoint (expected {d / 'verifier' / 'config.json'})")
         cfg = EngineConfig.load(d)
+        device = resolve_device(device, cfg.runtime.device)
         if tp is None:
             tp = cfg.parallel.tp if cfg.parallel.pp == 1 else 1
         if tp != 1 and tp != cfg.parallel.tp:

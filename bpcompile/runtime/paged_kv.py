@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from bpcompile.core.errors import UserError
 from bpcompile.kernels.tree_mask import unpack_tree_mask
 from bpcompile.runtime.kvcache import FloatKVStore, KVPlan, KVStore, make_kv_store
 from bpcompile.runtime.model import ModelConfig
@@ -388,12 +389,32 @@ def kernels_for(store: KVStore, device: torch.device):
 
     BPCOMPILE_KERNELS=auto (default): kernels on CUDA for quantized caches; =triton: always (on CPU through
     Triton's interpreter, which is how tests check this path without a GPU); =torch: never.
+    On CUDA (auto) the kernels are the attention: a quantized cache they cannot read is a UserError, not a
+    quiet fallback (`bpcompile validate` refuses such a plan for runtime.device cuda; BPCOMPILE_KERNELS=torch
+    asks for the PyTorch path by name, e.g. as a reference).
     """
     mode = os.environ.get("BPCOMPILE_KERNELS", "auto")
     if mode == "torch":
         return None
     from bpcompile.runtime.kvcache import QuantKVStore
 
+    if isinstance(store, QuantKVStore) and mode != "triton" and device.type == "cuda":
+        from bpcompile.kernels.shapes import check_shape
+
+        why = (
+            "exact (sink / recent-window) entries"
+            if store.plan.has_exact
+            else "INT6, INT3 or KLT units"
+            if not store.kernel_readable
+            else check_shape(store.head_size, store.G)
+        )
+        if why:
+            raise UserError(
+                f"on CUDA the Triton kernels are the attention, and they cannot read this KV plan ({why}); "
+                "rebuild with runtime.device cuda (bpcompile validate names what to change), run with --device "
+                "cpu, or set BPCOMPILE_KERNELS=torch for the PyTorch attention path",
+                key="kv_cache",
+            )
     if isinstance(store, QuantKVStore) and (mode == "triton" or device.type == "cuda"):
         if store.plan.has_exact:
             _warn_once("the Triton kernels do not read exact (sink / recent-window) entries; using the PyTorch path")
@@ -416,7 +437,7 @@ def _warn_once(msg: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _kernels_take(head_size: int, group_size: int) -> bool:
     """Whether the kernels handle this cache shape; warns once per shape when they don't (the PyTorch path runs)."""
-    from bpcompile.kernels.paged import check_shape
+    from bpcompile.kernels.shapes import check_shape
 
     why = check_shape(head_size, group_size)
     if why is not None:

@@ -62,7 +62,12 @@ def _version_of(engine_dir: Path) -> int:
 @click.option("--target", type=click.Choice(["native", "tensorrt-llm"]), default=None, help="Default: the recipe's.")
 @click.option("--max-batch-size", type=click.IntRange(1), default=None, help="Default: the recipe's limits.")
 @click.option("--no-speculation", is_flag=True, help="Serve verifier-only decoding (benchmark baseline).")
-@click.option("--device", default="cpu", show_default=True, help="Device of the generator's runtime (cpu, cuda).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda", "auto"]),
+    default=None,
+    help="Where the generator runs (cuda: GPU instance groups) [default: the recipe's runtime.device].",
+)
 @click.option("--link", is_flag=True, help="Symlink engine versions instead of copying them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing repository.")
 @click.option(
@@ -163,6 +168,14 @@ def emit(
     help="Leave tritonserver's shared-memory API open to every client (UNSAFE: a client can make the server "
     "write into its model processes' memory and abort it). Default: it needs the repository token.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda", "auto"]),
+    default=None,
+    help="Where the generator runs: the repository's generator is re-placed before the server starts "
+    "(cuda: GPU instances; auto: cuda where torch sees a GPU) [default: the repository's, i.e. the recipe's "
+    "runtime.device].",
+)
 def serve(
     repo,
     http_port,
@@ -173,6 +186,7 @@ def serve(
     repository_token,
     drain_timeout,
     openai_port,
+    device,
     health_port,
     open_shared_memory,
 ):
@@ -180,7 +194,9 @@ def serve(
     against their manifests (exit 2 naming a changed file; --no-verify skips it).
 
     Exit code 0 after a requested, clean stop; 1 when tritonserver or a model process died (tritonserver is then
-    stopped) or it did not stop cleanly; 2 for bad input, e.g. two endpoints on one port."""
+    stopped) or it did not stop cleanly; 2 for bad input, e.g. two endpoints on one port, or a repository for CUDA
+    on a machine where torch sees no GPU."""
+    from bpcompile.serving.emit import set_device
     from bpcompile.serving.serve import check_ports
     from bpcompile.serving.serve import serve as _serve
 
@@ -192,6 +208,10 @@ def serve(
         openai_port=openai_port,
         health_port=health_port,
     )
+
+    placed = set_device(repo, device)
+    if placed["changed"]:
+        click.echo(f"{repo}: the generator now runs on {placed['device']} (device {placed['setting']})", err=True)
 
     code = _serve(
         repo,

@@ -370,8 +370,36 @@ GENERATOR_TEXT_OUTPUTS = [
 ]
 
 
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def instance_groups(cfg: mc.ModelConfig, device: str, tp: int, instances: int) -> None:
+    """The generator's instance groups for a device setting (cpu, cuda, auto; auto = cuda where torch sees a GPU
+    on this machine, which `bpcompile serve` re-decides on the serving machine with set_device).
+
+    On CUDA each instance (one runtime, one in-flight batch) takes tp GPUs: Triton places it on the first of them
+    (KIND_GPU, its own group, gpus [i * tp]; the Python backend hands the model that GPU's id) and its
+    tensor-parallel ranks take the next tp - 1 (runtime/tp.py: rank r on the r-th device from the one asked for).
+    One group per instance, not `gpus: [0..tp-1]`: Triton starts `count` instances on every listed GPU, and each
+    would load all tp ranks."""
+    del cfg.instance_group[:]
+    if device == "cuda" or (device == "auto" and gpu_available()):
+        for i in range(instances):
+            cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=[i * tp])
+    else:
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
+
+
 def generator_config(
-    max_batch_size: int, policy, instances: int = 1, device: str = "cpu", tree: Optional[dict] = None
+    max_batch_size: int,
+    policy,
+    instances: int = 1,
+    device: str = "cpu",
+    tree: Optional[dict] = None,
+    tp: int = 1,
 ) -> mc.ModelConfig:
     cfg = mc.ModelConfig(
         name=GENERATOR, backend="python", max_batch_size=max_batch_size, version_policy=version_policy_proto(policy)
@@ -396,10 +424,74 @@ def generator_config(
     )
     _outputs(cfg, ours + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in {n for n, _, _ in ours}])
     # One instance = one runtime = one in-flight batch; more instances are more model copies, each its own batch.
-    cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
-    # exclude_input_in_output: what a request that does not send it gets (the backend's parameter of that name)
-    _params(cfg, device=device, tree=json.dumps(tree) if tree else "", exclude_input_in_output="true")
+    instance_groups(cfg, device, tp, instances)
+    # exclude_input_in_output: what a request that does not send it gets (the backend's parameter of that name).
+    # device: the setting (auto stays auto: the model resolves it where it runs); tp: for set_device's groups
+    _params(cfg, device=device, tp=tp, tree=json.dumps(tree) if tree else "", exclude_input_in_output="true")
     return cfg
+
+
+DEVICE_SETTINGS = ("cpu", "cuda", "auto")
+
+
+def _device_setting(device: Optional[str], cfg: EngineConfig) -> str:
+    device = device or cfg.runtime.device
+    if device not in DEVICE_SETTINGS:
+        raise UserError(f"device {device!r}: expected one of {', '.join(DEVICE_SETTINGS)}", key="device")
+    return device
+
+
+def set_device(repo_dir: Union[str, Path], device: Optional[str] = None) -> dict:
+    """Called by `bpcompile serve` before tritonserver starts: settle where the generator runs on this machine.
+    device: cpu, cuda or auto (default: the repository's setting, from the recipe's runtime.device). Rewrites
+    the generator's instance groups (and its device parameter, when device is given) where they differ, e.g. a
+    repository emitted with auto on a machine without GPUs now served on one. UserError when CUDA is asked for
+    and torch sees no GPU (or fewer than the instances need)."""
+    repo = Path(repo_dir)
+    final = repo / GENERATOR / "config.pbtxt"
+    if not final.is_file() or _marker(repo) is None:  # not bpcompile's to place: the server's checks say what it is
+        return {"repo": str(repo), "device": None, "changed": False}
+    with _locked(repo, None):
+        return _set_device_locked(repo, final, device)
+
+
+def _set_device_locked(repo: Path, final: Path, device: Optional[str]) -> dict:
+    from bpcompile.core.engine import NO_CUDA
+
+    cfg = read_config(final)
+    if cfg.backend != "python":  # TensorRT-LLM's own backend places itself
+        return {"repo": str(repo), "device": None, "changed": False}
+    have = cfg.parameters["device"].string_value if "device" in cfg.parameters else "cpu"
+    setting = device or have
+    if setting not in DEVICE_SETTINGS:
+        raise UserError(f"device {setting!r}: expected one of {', '.join(DEVICE_SETTINGS)}", key="device")
+    if setting == "cuda" and not gpu_available():
+        raise UserError(
+            NO_CUDA if have == "cuda" and device is None else f"--device {setting}: torch sees no CUDA device here",
+            key="device",
+        )
+    tp = int(cfg.parameters["tp"].string_value) if "tp" in cfg.parameters else 1
+    on_gpu = all(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in cfg.instance_group)
+    # instance_groups' forms: one KIND_GPU group per instance, or one KIND_CPU group of `count` instances
+    instances = (len(cfg.instance_group) if on_gpu else sum(g.count for g in cfg.instance_group)) or 1
+    new = mc.ModelConfig()
+    new.CopyFrom(cfg)
+    instance_groups(new, setting, tp, instances)
+    _params(new, device=setting)
+    resolved = "cuda" if new.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU else "cpu"
+    if resolved == "cuda":
+        import torch
+
+        need, n = instances * tp, torch.cuda.device_count()
+        if n < need:
+            raise UserError(
+                f"the generator needs {need} GPUs ({instances} instance(s) x tp {tp}); torch sees {n} here",
+                key="device",
+            )
+    changed = new != cfg
+    if changed:
+        _commit(repo, [(_stage_text(final, text_format.MessageToString(new)), final)])
+    return {"repo": str(repo), "device": resolved, "setting": setting, "changed": changed}
 
 
 def postprocessing_config(max_batch_size: int, policy, target: str = "native") -> mc.ModelConfig:
@@ -1054,8 +1146,10 @@ def _prepare(
         "postprocessing": postprocessing_config(mbs, policy, target),
         "ensemble": ensemble_config(mbs, target),
     }
+    device = _device_setting(device, cfg)
     if target == "native":
-        configs[GENERATOR] = generator_config(mbs, policy, gen_inst, device, tree)
+        tp = cfg.parallel.tp if cfg.parallel.pp == 1 else 1  # the runtime merges the ranks of a pp engine
+        configs[GENERATOR] = generator_config(mbs, policy, gen_inst, device, tree, tp)
     else:
         v, newest = engines[-1]
         spec = _speculative_trtllm(newest, target)
@@ -1127,7 +1221,7 @@ def emit_repository(
     max_batch_size: Optional[int] = None,
     preprocessing_instances: int = 1,
     generator_instances: Optional[int] = None,
-    device: str = "cpu",
+    device: Optional[str] = None,
     tree: Optional[dict] = None,
     link: bool = False,
     overwrite: bool = False,
@@ -1136,7 +1230,8 @@ def emit_repository(
     """Write a complete repository holding the given engine versions (of one engine). Defaults come from the
     newest engine's recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
 
-    `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}).
+    `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}); `device` (cpu,
+    cuda, auto) the recipe's runtime.device: cuda declares GPU instance groups (generator_instances).
     `bls_source`: tensorrtllm_backend's tensorrt_llm_bls/1 directory, for target tensorrt-llm with a draft
     (default: $BPCOMPILE_TRTLLM_BLS_DIR, else where TensorRT-LLM's Triton containers keep it).
     The directory must be new, empty or a repository bpcompile emitted for the same engine name. An existing
@@ -1255,7 +1350,7 @@ def publish_version(repo_dir: Union[str, Path], engine_dir: Union[str, Path], ve
                 max_batch_size=None,
                 preprocessing_instances=1,
                 generator_instances=None,
-                device="cpu",
+                device=None,
                 tree=None,
             )
             out = _emit_locked(repo, plan, link=False, overwrite=True)

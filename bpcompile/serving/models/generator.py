@@ -150,8 +150,10 @@ class TritonPythonModel:
         engine_dir = Path(args["model_repository"]) / args["model_version"] / "engine"
         self.engine_version = int(args["model_version"])
         tree = json.loads(params["tree"]) if params.get("tree") else None
-        self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None,
-                                         device=params.get("device", "cpu"))
+        device = params.get("device", "cpu")  # cpu, cuda or auto (the recipe's runtime.device)
+        if args.get("model_instance_kind") == "GPU" and device != "cpu":  # a KIND_GPU instance: Triton's GPU
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None, device=device)
         self.max_seq_len, self.max_input_len = self.gen.max_seq_len, self.gen.max_input_len
         self.exclude_default = params.get("exclude_input_in_output", "true").lower() not in ("false", "0", "no")
         self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
@@ -162,7 +164,7 @@ class TritonPythonModel:
 
         self.logger.log_info(f"generator: engine version {self.engine_version} from {engine_dir}, tree "
                              f"{self.gen.tree.kind}, executor {self.gen.executor}, tp {self.gen.tp}, device "
-                             f"{params.get('device', 'cpu')}, torch threads "
+                             f"{self.gen.device}, torch threads "
                              f"{torch.get_num_threads()}, max_seq_len {self.max_seq_len}")
         self.loop = _TritonLoop(self).start()
         # `bpcompile serve` drains before stopping tritonserver: new requests refused, running ones finish
