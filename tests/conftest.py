@@ -89,14 +89,22 @@ def update_engine_config(engine_dir: Path, **sections) -> None:
     the version still verifies)."""
     import json
 
-    from bpcompile.core.store import MANIFEST, sha256_file
-
     f = Path(engine_dir) / "engine.json"
     write_engine_config(engine_dir, **{**json.loads(f.read_text()), **sections})
-    m = Path(engine_dir) / MANIFEST
-    if m.is_file() and "engine.json" in json.loads(m.read_text()).get("artifacts", {}):  # as a rebuild would record
+    rerecord(engine_dir, "engine.json")
+
+
+def rerecord(engine_dir: Path, rel: str) -> None:
+    """Record a file a test changed on purpose in the version's manifest, as a rebuild would, so the version still
+    verifies at load."""
+    import json
+
+    from bpcompile.core.store import MANIFEST, sha256_file
+
+    f, m = Path(engine_dir) / rel, Path(engine_dir) / MANIFEST
+    if m.is_file() and rel in json.loads(m.read_text()).get("artifacts", {}):
         man = json.loads(m.read_text())
-        man["artifacts"]["engine.json"] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        man["artifacts"][rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
         m.write_text(json.dumps(man))
 
 

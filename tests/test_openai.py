@@ -18,6 +18,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
+from conftest import rerecord  # noqa: E402
+
 from bpcompile.cli import main  # noqa: E402
 from bpcompile.serving.emit import emit_repository  # noqa: E402
 from bpcompile.serving.openai_frontend import OpenAIFrontend  # noqa: E402
@@ -41,6 +43,7 @@ def engine(tmp_path_factory):
     e = make_engine(tmp_path_factory.mktemp("engines") / "1", 1)
     cfg = e / "tokenizer" / "tokenizer_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": TEMPLATE}))
+    rerecord(e, "tokenizer/tokenizer_config.json")
     return e
 
 
