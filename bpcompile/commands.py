@@ -239,12 +239,9 @@ def generate_text(
     if not tj.is_file():
         raise UserError(f"{d}: no tokenizer (expected {tj})")
     tok = Tokenizer.from_file(str(tj))
-    end_id = None
-    tc = d / "tokenizer" / "tokenizer_config.json"
-    if tc.is_file():
-        eos = json.loads(tc.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        end_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+    from bpcompile.runtime.text import end_ids
+
+    end_id = end_ids(d / "tokenizer", tok)  # every one the tokenizer and generation config name
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
     gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp, device=device, verify=False)  # checked above
     try:
@@ -261,7 +258,7 @@ def _generate(
     max_tokens: int,
     temperature: float,
     seed: Optional[int],
-    end_id: Optional[int],
+    end_id: list[int],
     json_out: bool,
     chat: bool,
 ) -> dict:
@@ -273,7 +270,13 @@ def _generate(
 
     templated = chat_prompt(d / "tokenizer", prompt_text) if chat else None
     ids = tok.encode(templated if templated is not None else prompt_text).ids
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, end_id=end_id)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        end_id=end_id[0] if end_id else None,
+        end_ids=tuple(end_id[1:]),
+    )
     detok = DecodeStream(skip_special_tokens=True)  # holds a partial UTF-8 character back until it is whole
     shown = []
 

@@ -35,6 +35,7 @@ TOKENIZER_FILES = (
 INPUT_GLOBS = ("config.json", "*.safetensors", "model.safetensors.index.json") + TOKENIZER_FILES  # what a build reads
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE = (None, "default", "linear", "llama3")  # what bpcompile.runtime.model.rope_inv_freq computes
 
 # safetensors dtype names <-> torch dtypes
@@ -174,6 +175,9 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         raise UserError("expected a JSON object", file=str(path))
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch is None:  # a config without `architectures` names its family by model_type alone
+        mt = raw.get("model_type")
+        arch = MODEL_TYPES.get(mt) if isinstance(mt, str) else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UserError(
             f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",

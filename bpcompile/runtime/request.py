@@ -19,6 +19,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: Optional[int] = None
     end_id: Optional[int] = None  # not included in the output
+    end_ids: tuple[int, ...] = ()  # more ids that end it like end_id (a model whose generation config lists several)
     stop_words: list[list[int]] = field(default_factory=list)  # token sequences; included in the output
     # TensorRT-LLM's penalties, over every token of the sequence (prompt included): repetition divides a positive
     # logit and multiplies a negative one; presence subtracts once per token seen, frequency once per occurrence
@@ -82,7 +83,7 @@ def apply_stops(r: Request, toks: list[int]) -> StepOutput:
     """Append newly committed tokens to r.out up to end_id (excluded), a stop word (included) or max_tokens."""
     p, new, reason, start = r.params, [], None, len(r.out)
     for t in toks:
-        if p.end_id is not None and t == p.end_id:
+        if (p.end_id is not None and t == p.end_id) or t in p.end_ids:
             reason = "stop"
             break
         r.out.append(t)
@@ -106,7 +107,7 @@ def penalized(p: SamplingParams) -> bool:
         p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
-        or (p.min_tokens > 0 and p.end_id is not None)
+        or (p.min_tokens > 0 and (p.end_id is not None or bool(p.end_ids)))
     )
 
 
@@ -123,8 +124,9 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, seen: list[int], gener
         scale = p.temperature if p.temperature > 0 else 1.0
         x = x - scale * (p.presence_penalty + p.frequency_penalty * counts.to(x.dtype))
         row[ids] = x
-    if p.end_id is not None and generated < p.min_tokens:
-        row[p.end_id] = float("-inf")
+    if generated < p.min_tokens:
+        for end in ([p.end_id] if p.end_id is not None else []) + list(p.end_ids):
+            row[end] = float("-inf")
     return row
 
 

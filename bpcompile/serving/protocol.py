@@ -175,10 +175,20 @@ class TextInterface:
 
         self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
         self.eos = eos_id(tokenizer_dir, self.tokenizer)
+        from bpcompile.runtime.text import end_ids
+
+        # every end id the model's generation config lists: a request that ends on one ends on each (see ends)
+        self.eos_ids = end_ids(tokenizer_dir, self.tokenizer)
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
         self.max_input_len = int(max_input_len)
         self.max_bytes = self.max_input_len * longest
+
+    def ends(self, end_id: Optional[int]) -> tuple[int, ...]:
+        """The other ids that end a request ending on `end_id`: the model's other end ids when end_id is one of
+        them (a chat turn of an instruct model ends on <|im_end|> or <|endoftext|>, whichever comes), else none:
+        a client that names an end id of its own gets exactly that one."""
+        return tuple(i for i in self.eos_ids if i != end_id) if end_id in self.eos_ids else ()
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -229,6 +229,7 @@ class TritonPythonModel:
         end_id = scalar(get, "end_id", default_end, int)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=None if end_id is None or end_id < 0 else end_id,
+                                end_ids=self.text.ends(end_id),
                                 stop_words=stop, logprobs=scalar(get, "return_log_probs", False, bool),
                                 repetition_penalty=scalar(get, "repetition_penalty", 1.0, float),
                                 presence_penalty=scalar(get, "presence_penalty", 0.0, float),
