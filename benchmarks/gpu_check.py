@@ -5,7 +5,7 @@
     python benchmarks/gpu_check.py --device cpu --quick --out r.json    # no GPU: the same code, tiny sizes
 
 1. kernels: the Triton kernels against the PyTorch oracle (bpcompile.runtime.kvcache, kernels/reference.py) for
-   every precision they claim (KERNEL_PRECISIONS in bpcompile.runtime.kvcache: one plan holding units of each;
+   every precision they claim (the support table, bpcompile.core.kv_support: one plan holding units of each;
    KLT units, which need calibrated bases, are checked end to end by the pair), head sizes 64 and 128:
    quantize-and-append byte for byte, paged attention (decode G = 1 and a tree G = 6) within tolerance, the
    compaction move byte for byte. On CPU they run in Triton's interpreter.
@@ -45,7 +45,14 @@ import torch  # noqa: E402
 from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
-from bpcompile.runtime.kvcache import KERNEL_PRECISIONS, KVPlan, QuantKVStore  # noqa: E402
+from bpcompile.runtime.kvcache import KVPlan, QuantKVStore  # noqa: E402
+
+try:  # the readers' support table (bpcompile.core.kv_support), where the kernels' precisions are declared
+    from bpcompile.runtime.kvcache import reader_precisions  # noqa: E402
+
+    CLAIMED = reader_precisions("triton")
+except ImportError:  # a checkout from before the table: the kernels' slice of the precision registry
+    from bpcompile.runtime.kvcache import KERNEL_PRECISIONS as CLAIMED  # noqa: E402
 
 H200_BW = 4.8e12
 
@@ -59,9 +66,10 @@ def log(*a):
 
 
 def unit_precisions() -> tuple[list[str], list[str]]:
-    """The precisions the kernels claim (KERNEL_PRECISIONS): those checked unit by unit here, and the tabled ones
-    (KLT keys need calibrated bases; the pair checks them end to end where its plan has them)."""
-    claimed = KERNEL_PRECISIONS
+    """The precisions the kernels claim (the support table, bpcompile.core.kv_support): those checked unit by unit
+    here, and the tabled ones (KLT keys need calibrated bases; the pair checks them end to end where its plan has
+    them)."""
+    claimed = CLAIMED
     return [p.name for p in claimed if not p.tabled], [p.name for p in claimed if p.tabled]
 
 
