@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,15 @@ def pytest_collection_modifyitems(config, items):
         kwargs = dict(m.kwargs)
         seconds = kwargs.pop("timeout") if "timeout" in kwargs else m.args[0]
         item.add_marker(pytest.mark.timeout(seconds * factor, *m.args[1:], **kwargs), append=False)
+
+
+@pytest.fixture(autouse=True)
+def _restore_switches():
+    """The commands' switch flags (--kernels, --cpu-kernels, --kv-memory-limit) set environment variables so that
+    the processes a command starts inherit them; a command run in-process by a test must not leave them set for
+    the tests after it."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("BPCOMPILE_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("BPCOMPILE_") and k not in saved]:
+        del os.environ[k]
+    os.environ.update(saved)
