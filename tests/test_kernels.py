@@ -21,8 +21,8 @@ from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
 from bpcompile.runtime.kvcache import FP8, INT4, INT5, INT8, KVPlan, QuantKVStore, encode_fp8_e4m3  # noqa: E402  # noqa: E402
 
 L, KV, D = 2, 2, 64
-# every unit kind present: INT4 and FP8, an INT8 unit and INT5 units; K and V of one head may differ
-PRECISION = [{"k": ["int4", "fp8"], "v": ["fp8", "int4"]}, {"k": ["int8", "int5"], "v": ["int5", "int4"]}]
+# every unit kind but KLT present (INT4, FP8, INT8, INT5, INT6, INT3; KLT: below); K and V of one head may differ
+PRECISION = [{"k": ["int4", "fp8"], "v": ["int3", "int4"]}, {"k": ["int8", "int5"], "v": ["int6", "int3"]}]
 
 
 def make_store(
@@ -484,3 +484,169 @@ def test_trt_plugin_is_not_pretended(tmp_path, monkeypatch):
     monkeypatch.delenv("TENSORRT_ROOT", raising=False)
     r = subprocess.run(["cmake", "-S", str(src), "-B", str(tmp_path / "build")], capture_output=True, text=True)
     assert r.returncode != 0 and "TensorRT not found" in r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# KLT key units (stored before RoPE in a calibrated basis) and exact FP16 entries: what the default plan holds
+
+
+KLT_PRECISION = [{"k": ["klt6", "klt5"], "v": ["int3", "int4"]}, {"k": ["klt4", "int6"], "v": ["int5", "fp8"]}]
+
+
+def klt_store(num_pages: int = 24, page_size: int = 16, seed: int = 0, group_size: int = 64) -> QuantKVStore:
+    """A rotated plan with KLT6 / KLT5 / KLT4 key units beside INT6, INT5, INT4, INT3 and FP8 units, random tables
+    as calibration shapes them (an orthonormal basis, water-filled bits, variances spanning orders of magnitude)."""
+    from bpcompile.compiler.calibrate import water_filling_bits
+
+    g = torch.Generator().manual_seed(seed)
+    lam = torch.logspace(1, -3, D)
+    t = {
+        "mean": torch.randn(L, KV, D, generator=g) * 0.1,
+        "bits": torch.zeros(L, KV, D, dtype=torch.int8),
+        "weight": torch.rand(L, KV, D, generator=g) + 0.5,
+        "step": torch.zeros(L, KV, D),
+        "level": torch.zeros(L, KV, D),
+        "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)),
+        "basis": torch.zeros(L, KV, D, D, dtype=torch.float16),
+    }
+    for layer, p in enumerate(KLT_PRECISION):
+        for h, x in enumerate(p["k"]):
+            if x.startswith("klt"):
+                basis, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
+                b = water_filling_bits(lam, int(x[3]) * D)
+                t["basis"][layer, h] = basis.to(torch.float16)
+                t["bits"][layer, h] = b.to(torch.int8)
+                t["step"][layer, h] = lam.sqrt() / 2.0 ** b.float()
+                t["level"][layer, h] = torch.where(b == 1, lam.sqrt() * 0.8, 0.0)
+    plan = KVPlan(
+        "int4-fp8-outlier",
+        L,
+        KV,
+        D,
+        group_size,
+        KLT_PRECISION,
+        k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
+        int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7,
+        rotation="hadamard",
+        k_mean=torch.randn(L, KV, D, generator=g),
+        klt=t,
+    )
+    return QuantKVStore(plan, num_pages, page_size)
+
+
+def klt_keys(n: int, g: torch.Generator, st: QuantKVStore, positions: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys whose pre-RoPE form has the coefficient variances the tables were made for."""
+    from bpcompile.runtime.kvcache import rope_rotate
+
+    pre = torch.randn(n, KV, D, generator=g) * torch.logspace(1, -3, D).sqrt() * 2
+    return rope_rotate(pre, positions, st.plan.klt["inv_freq"])
+
+
+def test_quantize_append_klt_is_bit_exact():
+    ref, ker = klt_store(), klt_store()
+    g = torch.Generator().manual_seed(4)
+    N = 29
+    slots = torch.randperm(ref.num_pages * ref.page_size, generator=g)[:N]
+    positions = torch.randint(0, 3000, (N,), generator=g)
+    k, v = klt_keys(N, g, ref, positions), torch.randn(N, KV, D, generator=g)
+    k[4] = 0  # an all-zero key: scale 0
+    for layer in range(L):
+        ref.write(layer, slots, k, v, positions)
+        K.quantize_append(ker, layer, slots, k, v, positions)
+    assert same_bytes(ref, ker) and torch.equal(ref.positions, ker.positions)
+    assert all(ref.payload[c].any() for c in set(ref.unit_precision.flatten().tolist()))  # every pool written
+    K.quantize_append(ker, 0, slots[:3], k[:3], v[:3], positions[:3] + 1)  # the dither follows the position
+    assert not same_bytes(ref, ker)
+
+
+def exact_setup(st, ctxs, trees, G, H, sink, window, seed=0):
+    """setup_batch for a plan with exact entries, through the runtime's RecentKV: each sequence's FP16 copies of
+    its context and tree entries, its queries' positions (ctx + depth) and its tree entries' (the same)."""
+    from bpcompile.runtime.paged_kv import RecentKV
+
+    g = torch.Generator().manual_seed(seed)
+    S, B = st.page_size, len(ctxs)
+    per = st.num_pages // B
+    block_tables = torch.randperm(st.num_pages, generator=g)[: B * per].reshape(B, per).int()
+    rec = RecentKV(st, B + 1, sink, window, max(len(p) for p in trees), "cpu")
+    rows = torch.randperm(B + 1, generator=g)[:B]
+    q_pos = torch.zeros(B, G, dtype=torch.int32)
+    tree_pos = torch.zeros(B, G, dtype=torch.int32)
+    for b in range(B):
+        depth = [0] * len(trees[b])
+        for i, parent in enumerate(trees[b]):
+            depth[i] = depth[parent] + 1 if parent >= 0 else 0
+        T = ctxs[b] + len(trees[b])
+        t = torch.arange(T)
+        pos = torch.cat([t[: ctxs[b]], ctxs[b] + torch.tensor(depth)])
+        q_pos[b, : len(depth)] = pos[ctxs[b] :]
+        tree_pos[b, : len(depth)] = pos[ctxs[b] :]
+        slots = block_tables[b, t // S].long() * S + t % S
+        for layer in range(L):
+            k = klt_keys(T, g, st, pos) if st.positions is not None else torch.randn(T, KV, D, generator=g) * 2
+            v = torch.randn(T, KV, D, generator=g)
+            st.write(layer, slots, k, v, pos)
+            keep = t >= T - rec.ring  # what the ring holds after writing in order (and the sink)
+            keep[:sink] = True
+            rec.write(layer, torch.full((int(keep.sum()),), int(rows[b])), t[keep], k[keep], v[keep])
+    masks = torch.zeros(B, G, G, dtype=torch.bool)
+    for b, parents in enumerate(trees):
+        masks[b, : len(parents), : len(parents)] = TM.tree_mask_from_parents(parents)
+    q = torch.randn(B, G, H, D, generator=g) * 1.5
+    nt = torch.tensor([len(p) for p in trees])
+    return q, block_tables, torch.tensor(ctxs), TM.pack_bool_mask(masks), nt, (rec, rows, q_pos, tree_pos)
+
+
+@pytest.mark.parametrize("klt,sink,window", [(True, 0, 0), (False, 1, 4), (True, 2, 10)])
+def test_paged_attention_klt_and_exact_entries_match_reference(klt, sink, window):
+    st = klt_store() if klt else make_store(64, rotation="hadamard")
+    trees = [TRTLLM_EXAMPLE, [-1, 0, 0, 1, 2, 1]]
+    q, bt, ctx, tm, nt, exact = exact_setup(st, [70, 21], trees, 10, 4, sink, window)
+    exact = exact if sink or window else None
+    for layer in range(L):
+        ref = paged_attention_reference(q, st, layer, bt, ctx, tm, nt, D**-0.5, exact=exact)
+        out = K.paged_attention(q, st, layer, bt, ctx, tm, nt, D**-0.5, num_splits=2, block_n=32, exact=exact)
+        assert attention_error(out, ref) <= 1e-4
+        if exact is not None:  # the copies are read: the same cache without them attends differently
+            plain = paged_attention_reference(q, st, layer, bt, ctx, tm, nt, D**-0.5)
+            assert attention_error(plain, ref) > 1e-3
+
+
+def test_move_slots_moves_klt_positions():
+    ref = klt_store()
+    g = torch.Generator().manual_seed(5)
+    slots, pos = torch.arange(40, 52), torch.arange(100, 112)
+    for layer in range(L):
+        ref.write(layer, slots, klt_keys(12, g, ref, pos), torch.randn(12, KV, D, generator=g), pos)
+    ker = clone_store(ref)
+    ker.positions.copy_(ref.positions)
+    src, dst = torch.tensor([40, 42, 45, 49]), torch.tensor([40, 41, 42, 43])
+    ref.move(src, dst)
+    K.move_slots(ker, src, dst)
+    assert same_bytes(ref, ker) and torch.equal(ref.positions, ker.positions)
+
+
+def test_klt_and_exact_variants_compile_for_sm90a(tmp_path):
+    """The engine's plugin specializations compile the KLT and exact-entry branches out (KLT = EXACT = 0, tested
+    above); a GPU's JIT compiles them in for the default plan. Compiled here for sm_90a as the AOT build would
+    (the interpreter does not type-check what the compiler does): the decode kernel with both, the KLT append."""
+    import json
+    import subprocess
+    import sys
+
+    specs = aot.aot_specs(64, 64, 16, 3)
+    job = [
+        {**s, "name": s["name"] + "_klt", "constexprs": {**s["constexprs"], "KLT": 1, "EXACT": 1}}
+        if "EXACT" in s["constexprs"]
+        else {**s, "name": s["name"] + "_klt", "constexprs": {**s["constexprs"], "KLT": 1}}
+        for s in specs
+        if s["name"].startswith(("bp_quantize_append", "bp_paged_attention_decode_fp16"))
+    ]
+    (tmp_path / "job.json").write_text(json.dumps({"out_dir": str(tmp_path), "capability": 90, "specs": job}))
+    code = "import sys; from bpcompile.compiler.aot import _aot_compile; _aot_compile(sys.argv[1])"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "job.json")], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {p.name for p in tmp_path.glob("*.cubin")} == {s["name"] + ".cubin" for s in job}

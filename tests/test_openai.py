@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
-from conftest import rerecord  # noqa: E402
+from conftest import rerecord, update_engine_config  # noqa: E402
 
 from bpcompile.cli import main  # noqa: E402
 from bpcompile.serving.emit import emit_repository  # noqa: E402
@@ -44,6 +44,10 @@ def engine(tmp_path_factory):
     cfg = e / "tokenizer" / "tokenizer_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": TEMPLATE}))
     rerecord(e, "tokenizer/tokenizer_config.json")
+    # prefix reuse on for this quantized plan (its default is off there); the other tests' prompts are shorter
+    # than one KV page, so nothing of theirs is reused
+    runtime = json.loads((e / "engine.json").read_text()).get("runtime", {})
+    update_engine_config(e, runtime={**runtime, "prefix_reuse": True})
     return e
 
 
@@ -147,6 +151,18 @@ def test_stop_strings_end_and_are_cut(api, engine, stream):
         r = client.completions.create(**kw)
         text, finish = r.choices[0].text, r.choices[0].finish_reason
     assert text == want[: want.find(stop)] and finish == "stop"
+
+
+def test_a_repeated_prompt_reports_cached_tokens(api):
+    """A prompt sent again starts from the KV pages the first request computed: usage.prompt_tokens_details
+    .cached_tokens says how many prompt tokens (whole 16-token pages, the last prompt token always computed),
+    0 the first time."""
+    client, _ = api
+    prompt = " ".join(["Exceptions are raised when an error is detected."] * 6)
+    first, again = (client.completions.create(model="tiny", prompt=prompt, max_tokens=4) for _ in range(2))
+    n = first.usage.prompt_tokens
+    assert n >= 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
 
 
 def test_malformed_requests_get_400_and_the_endpoint_stays_healthy(api):

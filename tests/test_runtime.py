@@ -479,7 +479,7 @@ def test_greedy_speculation_is_identical(pair, kind):
     stats = [s for _, s in batched]
     assert sum(s.committed for s in stats) / sum(s.verifier_steps for s in stats) > 1.15  # drafts do get accepted
     assert all(s.tokens == 40 and s.accepted_per_depth[0] <= s.proposed_per_depth[0] for s in stats)
-    assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity  # all pages back
+    assert gen.vkv.available() == gen.vkv.capacity and gen.dkv.available() == gen.dkv.capacity  # all pages back
 
 
 def test_identical_draft_accepts_everything(pair):
@@ -511,7 +511,7 @@ def test_feature_draft_speculation_is_identical(pair, kind):
         gen = Generator(pair[0], d, TREES[kind], max_batch_size=4, page_size=4, backoff=backoff)
         assert gen.spec.features and gen.v_exec.features
         assert [t for t, _ in gen.generate(PROMPTS, SamplingParams(max_tokens=30))] == ref
-        assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity
+        assert gen.vkv.available() == gen.vkv.capacity and gen.dkv.available() == gen.dkv.capacity
     # a draft that may propose only some token ids: one logits column per id, the verifier's head rows for them
     # (as the draft without a subset scores those ids), and the output is still the verifier's
     sub = feature_draft(pair[0], pair[1].w, fc, subset=list(range(1, CFG.vocab_size, 2)))
@@ -683,50 +683,33 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
         assert len(batched) > len(prompts) if tree is None or window >= 6 else len(batched) <= len(prompts)
 
 
-def test_exact_entries_where_they_are_not_read(pair, monkeypatch, capsys):
-    """The Triton kernels do not read exact entries: with them forced on, the store gets the PyTorch path (warned
-    once, on stderr); the onnxruntime executor's graphs do not either: a Generator refuses the plan. Likewise a plan
-    with INT6 or INT3 units."""
+def test_exact_entries_and_the_default_plans_units_by_reader(pair):
+    """Who reads what is the support table's answer (bpcompile.core.kv_support): the Triton kernels read exact
+    entries and INT6 / INT3 units (tests/test_runtime_kernels.py generates through them); the onnxruntime
+    executor's graphs do not: a Generator refuses the plan, naming what."""
     from dataclasses import replace
 
+    from bpcompile.core.kv_support import takes
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
-    from bpcompile.runtime.paged_kv import _warn_once, kernels_for
 
-    _warn_once.cache_clear()  # once per process: this test must see it
     c = pair[0].cfg
-    plan = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=4)
-    store = kv_store_factory(plan)(c, 4, 4, "cpu")
-    monkeypatch.setenv("BPCOMPILE_KERNELS", "triton")
-    assert kernels_for(store, torch.device("cpu")) is None
-    assert "do not read exact" in capsys.readouterr().err
-    gen = Generator(pair[0], None, None, page_size=4, kv_store_factory=kv_store_factory(plan), dense_kv=False)
-    assert gen.vkv.dense is not None and gen.vkv.kern is None  # exact entries need the dense path
-    with pytest.raises(UserError, match="onnxruntime executor"):
-        Generator(
-            pair[0],
-            None,
-            None,
-            page_size=4,
-            kv_store_factory=kv_store_factory(plan),
-            executor="onnxruntime",
-            graphs="/nonexistent",
-        )
-    # nor INT6, INT3 or KLT units: the same, without exact entries
-    plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
-    plan.precision[0] = {"k": ["int6"] * c.num_kv_heads, "v": ["int3"] * c.num_kv_heads}
-    store = kv_store_factory(plan)(c, 4, 4, "cpu")
-    assert kernels_for(store, torch.device("cpu")) is None
-    assert "do not read INT6, INT3 or KLT" in capsys.readouterr().err
-    with pytest.raises(UserError, match="INT6, INT3 or KLT"):
-        Generator(
-            pair[0],
-            None,
-            None,
-            page_size=4,
-            kv_store_factory=kv_store_factory(plan),
-            executor="onnxruntime",
-            graphs="/nonexistent",
-        )
+    exact = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=4)
+    bands = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
+    bands.precision[0] = {"k": ["int6"] * c.num_kv_heads, "v": ["int3"] * c.num_kv_heads}
+    for plan, feature, why in ((exact, "exact", "do not read exact"), (bands, "int6", "do not read INT6 units")):
+        store = kv_store_factory(plan)(c, 4, 4, "cpu")
+        assert (store.support("triton") == []) == takes("triton", feature)
+        assert not takes("onnxruntime", feature)
+        with pytest.raises(UserError, match=f"onnxruntime executor's step graphs {why}"):
+            Generator(
+                pair[0],
+                None,
+                None,
+                page_size=4,
+                kv_store_factory=kv_store_factory(plan),
+                executor="onnxruntime",
+                graphs="/nonexistent",
+            )
 
 
 # -------------------------------------------------------------------------------- batching & lifetime
@@ -758,7 +741,7 @@ def test_inflight_batching_pages_and_cancel(pair):
             assert o.finished == (o.finish_reason == "length")
     assert cancelled == ["x"] and joined_mid_flight
     assert [got[i] for i in ids] == ref
-    assert len(gen.vkv.free) == gen.vkv.capacity and len(gen.dkv.free) == gen.dkv.capacity and gen.reserved == 0
+    assert gen.vkv.available() == gen.vkv.capacity and gen.dkv.available() == gen.dkv.capacity and gen.reserved == 0
 
     a = gen.add_request(PROMPTS[3], SamplingParams(max_tokens=40))
     b = gen.add_request(PROMPTS[1], SamplingParams(max_tokens=40))
@@ -825,7 +808,7 @@ def test_inflight_loop_serves_requests_from_other_threads(pair):
     loop.stop()
     loop.thread.join(timeout=60)
     assert not loop.thread.is_alive() and not loop.running
-    assert len(gen.vkv.free) == gen.vkv.capacity and gen.reserved == 0
+    assert gen.vkv.available() == gen.vkv.capacity and gen.reserved == 0
 
 
 def test_stop_conditions(pair):

@@ -22,7 +22,7 @@ from bpcompile.core.checkpoint import attention_shape
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import fault_point
 from bpcompile.kernels import paged
-from bpcompile.runtime.kvcache import KERNEL_PRECISIONS
+from bpcompile.runtime.kvcache import reader_precisions
 
 # Triton's own AOT tool (triton/tools/compile.py) is not used as is: its launcher computes the grid from the
 # kernel's arguments (ours depends on batch and split count, which are not arguments), maps fp32 scalars to
@@ -43,6 +43,16 @@ _ARG_TYPES = {  # kernel argument -> Triton signature type; {dt} is the activati
     "si8": "*fp16",
     "q5": "*u8",
     "s5": "*fp16",
+    "q6": "*u8",
+    "s6": "*fp16",
+    "q3": "*u8",
+    "s3": "*fp16",
+    "qk4": "*u8",
+    "sk4": "*fp16",
+    "qk5": "*u8",
+    "sk5": "*fp16",
+    "qk6": "*u8",
+    "sk6": "*fp16",
     "unit_precision": "*i8",
     "unit_index": "*i32",
     "k_channel_scale": "*fp32",
@@ -58,6 +68,24 @@ _ARG_TYPES = {  # kernel argument -> Triton signature type; {dt} is the activati
     "dst": "*u8",
     "src_index": "*i64",
     "dst_index": "*i64",
+    # KLT key units and exact entries (compiled out in the plugin's specializations: KLT = EXACT = 0)
+    "positions": "*i32",
+    "klt_bits": "*i32",
+    "klt_offset": "*i32",
+    "klt_step": "*fp32",
+    "klt_level": "*fp32",
+    "klt_basis": "*fp32",
+    "klt_weight": "*fp32",
+    "klt_mean": "*fp32",
+    "inv_freq": "*fp32",
+    "rec_k": "*fp16",
+    "rec_v": "*fp16",
+    "seq_row": "*i32",
+    "q_pos": "*i32",
+    "tree_pos": "*i32",
+    "exact_k_map": "*fp32",
+    "exact_k_bias": "*fp32",
+    "exact_v_map": "*fp32",
 }
 _ALIGNED = {
     "K",
@@ -92,7 +120,7 @@ def aot_specs(head_size: int, group_size: int, page_size: int, gqa: int, dtype: 
         dict(
             name="quantize_append",
             kernel="quantize_append",
-            constexprs={**common, "BLOCK_T": 16},
+            constexprs={**common, "BLOCK_T": 16, "KLT": 0},
             num_warps=4,
             num_stages=1,
         )
@@ -110,6 +138,8 @@ def aot_specs(head_size: int, group_size: int, page_size: int, gqa: int, dtype: 
                         "BLOCK_N": paged.DEFAULT_BLOCK_N,
                         "SPLIT": split,
                         "F32": 0,
+                        "KLT": 0,
+                        "EXACT": 0,
                     },
                     num_warps=warps,
                     num_stages=2,
@@ -376,16 +406,34 @@ def _write_kernels_header(out_dir: Path, specs: list[dict], model: dict, gqa: in
     lines += [f"#define {k} {v}" for k, v in const.items()]
     # The KV pools as the store lays them out (runtime/kvcache.py's precision registry): a payload and an fp16
     # scale pool per unit precision, then how to pass them (pointers, then each precision's unit count).
+    # The kernels take the pools of every precision the Triton kernels read; the plugin has those of the ones it
+    # reads (bpcompile.core.kv_support), and passes null pools with no units for the others.
     trt = {torch.uint8: "kUINT8", torch.int8: "kINT8", torch.float16: "kHALF"}  # the ONNX graphs' pool types
-    pools = [t for prec in KERNEL_PRECISIONS for t in (trt[prec.payload_dtype], "kHALF")]
+    ours = reader_precisions("tensorrt")
+    pools = [t for prec in ours for t in (trt[prec.payload_dtype], "kHALF")]
+    args, units = [], []
+    for prec in reader_precisions("triton"):
+        i = ours.index(prec) if prec in ours else None
+        args += [f"POOL({2 * i})", f"POOL({2 * i + 1})"] if i is not None else ["0", "0"]
+        units.append(f"UNITS({2 * i})" if i is not None else "0")
+    # the arguments after the plugin's own (KLT tables, exact entries): zeros, compiled out (KLT = EXACT = 0)
+    tail = {
+        "quantize_append": paged._quantize_append_kernel.arg_names.index("KVH") + 1,
+        "paged_attention": paged._paged_attention_kernel.arg_names.index("chunk") + 1,
+    }
+    extra = {}
+    for name, start in tail.items():
+        spec = next(s for s in specs if s["kernel"] == name)
+        rest = [a for a in getattr(paged, _KERNELS[name]).arg_names[start:] if a not in spec["constexprs"]]
+        extra[name] = ", ".join("0" for _ in rest)
     lines += [
-        f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in KERNEL_PRECISIONS)} */",
+        f"/* unit precisions: {', '.join(f'{p.name} = {p.code}' for p in reader_precisions('triton'))}; the plugin "
+        f"reads {', '.join(p.name for p in ours)} */",
         f"#define BP_NUM_KV_POOLS {len(pools)}",
         "#define BP_KV_POOL_TYPES " + ", ".join(f"nvinfer1::DataType::{t}" for t in pools),
-        "#define BP_KV_POOL_ARGS(POOL, UNITS) "
-        + ", ".join(
-            [f"POOL({i})" for i in range(len(pools))] + [f"UNITS({2 * i})" for i in range(len(KERNEL_PRECISIONS))]
-        ),
+        "#define BP_KV_POOL_ARGS(POOL, UNITS) " + ", ".join(args + units),
+        f"#define BP_QUANT_EXTRA_ARGS {extra['quantize_append']}",
+        f"#define BP_ATTN_EXTRA_ARGS {extra['paged_attention']}",
     ]
     suffix = f"_{model['dtype']}"
     lines += [f"#define {s['name'][: -len(suffix)]}_launch {s['name']}_launch" for s in specs]

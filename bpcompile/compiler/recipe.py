@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from bpcompile.core.engine import EngineConfig, _Strict
 from bpcompile.core.errors import UserError
+from bpcompile.core.kv_support import unsupported
 
 
 class ModelSpec(_Strict):
@@ -264,33 +265,11 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
         line = _line_for(lines, loc)
         problems.append((line, f"{path}:{line}: {_key(loc)}: {msg}"))
 
-    kvc = recipe.kv_cache
     gpu = recipe.runtime.device != "cpu" and recipe.target == "native" and not recipe.runtime.wants_onnx
     for loc, msg in kernel_problems(recipe, None) if gpu else []:  # the cache's shape is checked with the configs
         problem(loc, msg)
-    if not gpu and (kvc.sink_tokens or kvc.recent_window) and not recipe.exact_entries_readable:
-        key = "recent_window" if kvc.recent_window else "sink_tokens"
-        problem(
-            ("kv_cache", key),
-            "exact FP16 entries (sink_tokens, recent_window) are read by the native target's "
-            "torch executor only, on a quantized format (not by the ONNX graphs, the TensorRT plugin or "
-            "TensorRT-LLM); set them to 0 or leave them auto",
-        )
-    if (kvc.int6_keys == "early" or kvc.int3_values) and not recipe.exact_entries_readable and not gpu:
-        key = "int6_keys" if kvc.int6_keys == "early" else "int3_values"
-        problem(
-            ("kv_cache", key),
-            "INT6 keys and INT3 values are read by the native target's torch executor only "
-            "(not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); set int6_keys: none and "
-            "int3_values: 0, or leave them auto",
-        )
-    if kvc.key_transform == "klt" and not recipe.exact_entries_readable and not gpu:
-        problem(
-            ("kv_cache", "key_transform"),
-            "KLT keys (stored before RoPE in a calibrated basis) are read by the "
-            "native target's torch executor only (not by the ONNX graphs, the TensorRT plugin or TensorRT-LLM); "
-            "set key_transform: none, or leave it auto",
-        )
+    for loc, msg in kv_problems(recipe, recipe.kv_readers) if not gpu else []:
+        problem(loc, msg)
     if recipe.target == "tensorrt-llm":  # what TensorRT-LLM 1.2's executor can hold, refused before any work
         kv = recipe.kv_cache.format
         if kv == "int4-fp8-outlier":
@@ -427,26 +406,41 @@ def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
     return loaded
 
 
+def kv_problems(recipe: EngineConfig, readers, context: str = "") -> list[tuple[tuple, str]]:
+    """What the recipe's KV settings ask for that one of `readers` (bpcompile.core.kv_support.READERS) does not
+    read, as (key path, why) pairs: the KV features each setting brings, asked of the support table."""
+    kv = recipe.kv_cache
+    asked = []  # (feature, recipe key, the setting that turns it off)
+    if kv.sink_tokens or kv.recent_window:
+        key = "recent_window" if kv.recent_window else "sink_tokens"
+        asked.append(("exact", key, f"{key}: 0"))
+    if kv.key_transform == "klt":
+        asked += [(f, "key_transform", "key_transform: none") for f in ("klt4", "klt5", "klt6")]
+    if kv.int6_keys == "early":
+        asked.append(("int6", "int6_keys", "int6_keys: none"))
+    if kv.int3_values:
+        asked.append(("int3", "int3_values", "int3_values: 0"))
+    out, seen = [], set()
+    for feature, key, fix in asked:
+        for r in readers:
+            for why in unsupported({feature}, r):
+                if (key, r) not in seen:
+                    seen.add((key, r))
+                    out.append((("kv_cache", key), f"{context + ': ' if context else ''}{why}; set {fix}"))
+    return out
+
+
 def kernel_problems(recipe: EngineConfig, head_size: Optional[int]) -> list[tuple[tuple, str]]:
     """What in the recipe's KV plan the GPU's Triton kernels cannot read, as (key path, why) pairs; the cache's
     shape is checked where head_size is given. Empty on the CPU and for FP16 caches (PyTorch attends those on
     either device). On CUDA the kernels are the only attention path: a plan they cannot read is refused here
-    rather than run on another path than the one validated. What they read: the precisions of
-    KERNEL_PRECISIONS in bpcompile/runtime/kvcache.py (INT4, FP8, INT8, INT5; the kernels' codes 0-3)."""
+    rather than run on another path than the one validated. What they read: the support table,
+    bpcompile.core.kv_support.SUPPORT (`kv_problems`)."""
     kv = recipe.kv_cache
     if recipe.runtime.device == "cpu" or kv.format == "fp16":
         return []
     on = f"runtime.device {recipe.runtime.device}: the GPU's Triton kernels"
-    out = []
-    if kv.sink_tokens or kv.recent_window:
-        key = "recent_window" if kv.recent_window else "sink_tokens"
-        out.append((("kv_cache", key), f"{on} do not read exact FP16 (sink / recent-window) entries; set {key}: 0"))
-    if kv.key_transform == "klt":
-        out.append((("kv_cache", "key_transform"), f"{on} do not read KLT keys; set key_transform: none"))
-    if kv.int6_keys == "early":
-        out.append((("kv_cache", "int6_keys"), f"{on} do not read INT6 units; set int6_keys: none"))
-    if kv.int3_values:
-        out.append((("kv_cache", "int3_values"), f"{on} do not read INT3 units; set int3_values: 0"))
+    out = kv_problems(recipe, ("triton",), f"runtime.device {recipe.runtime.device}")
     if head_size is not None:
         from bpcompile.kernels.shapes import check_shape
 

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bpcompile.core.errors import UserError
+from bpcompile.core.kv_support import all_take, engine_readers
 
 ENGINE_FILE = "engine.json"
 TARGETS = ("native", "tensorrt", "tensorrt-llm")
@@ -203,6 +204,15 @@ class Runtime(_Strict):
         "sees a GPU when the engine starts, else cpu (the plan as for cuda)",
     )
 
+    prefix_reuse: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="reuse the KV pages of a prompt's leading full pages computed by an earlier request "
+        "(multi-turn chats, a shared system prompt): only the rest of the prompt is computed (docs/KV_FORMAT.md, "
+        "prefix reuse). auto = on for a float KV cache (outputs identical to computing it), off for a quantized "
+        "plan (the rest of the prompt would read the prefix in its stored form, as decode steps do, where a "
+        "full prefill reads it unquantized: outputs may differ); true = on for every plan; false = off",
+    )
+
     @property
     def wants_onnx(self) -> bool:
         return self.onnx or self.executor == "onnxruntime"
@@ -222,20 +232,26 @@ class EngineConfig(_Strict):
     runtime: Runtime = Runtime()
 
     @property
+    def kv_readers(self) -> tuple[str, ...]:
+        """The readers this engine's KV cache must suit (bpcompile.core.kv_support: the torch executor on the
+        CPU, the Triton kernels on CUDA, the step graphs with ONNX, the TensorRT plugin, TensorRT-LLM)."""
+        return engine_readers(self.target, self.runtime.wants_onnx, self.runtime.device)
+
+    def kv_takes(self, *features: str) -> bool:
+        """Whether every reader of this engine's cache takes each of `features` (kv_support.SUPPORT)."""
+        return self.kv_cache.format != "fp16" and all(all_take(self.kv_readers, f) for f in features)
+
+    @property
     def exact_entries_readable(self) -> bool:
         """Whether this engine's runtime reads a plan's exact (FP16 sink / window) entries."""
-        return (
-            self.target == "native"
-            and not self.runtime.wants_onnx
-            and self.kv_cache.format != "fp16"
-            and self.runtime.device == "cpu"  # on a GPU the Triton kernels are the attention
-        )
+        return self.kv_takes("exact")
 
     @model_validator(mode="after")
     def _resolve_kv(self):
-        """Fill in the KV cache's auto settings for this target (engine.json stores the resolved values). Exact
-        entries are read by the torch executor only: the Triton kernels, the ONNX graphs and the TensorRT plugin
-        do not read them (docs/KV_FORMAT.md §4); load_recipe refuses them where they would not be read."""
+        """Fill in the KV cache's auto settings for this target (engine.json stores the resolved values): the
+        default plan's features where every reader of this engine takes them (kv_support.SUPPORT; e.g. the
+        ONNX graphs and the TensorRT plugin read no exact entries); load_recipe refuses them where they would not
+        be read."""
         kv = self.kv_cache
         exact_ok = self.exact_entries_readable
         auto = exact_ok and kv.format == "int4-fp8-outlier"
@@ -249,7 +265,7 @@ class EngineConfig(_Strict):
             kv.int5_keys = "middle" if windowed else "none"
         int5 = kv.int5_keys == "middle"
         # KLT keys only where measured: one rank (a rank's KV heads would need their own tables)
-        bundle = windowed and int5 and self.parallel.tp == 1
+        bundle = windowed and int5 and self.parallel.tp == 1 and self.kv_takes("klt5", "klt6", "int6", "int3")
         if kv.key_transform == "auto":
             kv.key_transform = "klt" if bundle and kv.int6_keys != "none" else "none"
         klt = kv.key_transform == "klt"

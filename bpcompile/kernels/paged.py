@@ -41,14 +41,45 @@ import triton.language as tl  # noqa: E402
 from bpcompile.kernels.shapes import check_shape  # noqa: E402, F401  (the kernels' entry points and callers use it)
 from bpcompile.kernels.tree_mask import pack_bool_mask  # noqa: E402
 
-# Unit precision codes (bpcompile.runtime.kvcache): 0 = INT4, 1 = FP8, 2 = INT8, 3 = INT5. Kernels use the literals: a
-# Triton kernel cannot read plain module globals (the interpreter allows it, the compiler does not). Codes 4 (INT6)
-# and 5 (INT3) are not read here: a plan with them runs on the PyTorch path (paged_kv.kernels_for).
+# Unit precision codes (bpcompile.runtime.kvcache.PRECISIONS): 0 = INT4, 1 = FP8, 2 = INT8, 3 = INT5, 4 = INT6, 5 = INT3,
+# 6 / 7 / 8 = KLT4 / KLT5 / KLT6. Kernels use the literals: a Triton kernel cannot read plain module globals (the
+# interpreter allows it, the compiler does not). The pools are passed in the registry's order
+# (`reader_precisions("triton")`; tests/test_kernels.py checks the argument names against it).
 
 
 # =============================================================================================
 # Kernels. Written against Triton 3.6 (the GPU machine) .. 3.9 (here); no libdevice or inline asm, so the
 # interpreter runs them too.
+
+
+@triton.jit
+def _plane(b_lo, b_hi, j, EIGHTH: tl.constexpr):
+    """One bit per element of a row's low and high halves ([T, D/2] each, 0 or 1) -> its bit plane [T, D/8]: bit b of
+    byte i is element i + b*D/8 (low half: b = j // (D/8); high half: 4 + that). A [T, D/8, D/2] select-and-sum
+    gathers them (one non-zero term per bit, so the sum is an OR)."""
+    pe = tl.arange(0, EIGHTH)
+    bit = (j // EIGHTH)[None, :]
+    bits = (b_lo << bit) | (b_hi << (bit + 4))
+    return tl.sum(tl.where(((j % EIGHTH)[None, :] == pe[:, None])[None, :, :], bits[:, None, :], 0), axis=2)
+
+
+@triton.jit
+def _dither(pos, unit, i):
+    """klt_dither (docs/KV_FORMAT.md §3 "KLT units"): the hash of (position [T] int64, global unit id, coefficient
+    index [X]) -> [T, X] float32 in [-0.5, 0.5]. int64 products wrap; their low 32 bits are exact. The value
+    (h + 0.5) / 2^32 - 0.5 is the odd integer 2h + 1 - 2^32 times 2^-33: one rounding, int64 -> float32."""
+    h = (pos[:, None] * 2654435761 + unit.to(tl.int64) * 3266489917 + i.to(tl.int64)[None, :] * 2246822519) + 0x6A09E667
+    h = h & 0xFFFFFFFF
+    h = ((h ^ (h >> 15)) * 2246822519) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * 3266489917) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return (2 * h + 1 - 4294967296).to(tl.float32) * 1.1641532182693481e-10
+
+
+@triton.jit
+def _qmax(bits):
+    """A KLT coefficient's largest level: 2^(b-1) - 1 for b >= 2, 0 otherwise (float32)."""
+    return tl.where(bits >= 2, (1 << tl.maximum(bits - 1, 0)) - 1, 0).to(tl.float32)
 
 
 @triton.jit
@@ -69,23 +100,44 @@ def _quantize_append_kernel(
     si8,
     q5,
     s5,
+    q6,
+    s6,
+    q3,
+    s3,
+    qk4,
+    sk4,
+    qk5,
+    sk5,
+    qk6,
+    sk6,
     U4,
     U8,
     Ui8,
-    U5,  # pools: payload as uint8, scales fp16 ([P, U, PAGE, ...])
+    U5,
+    U6,
+    U3,
+    Uk4,
+    Uk5,
+    Uk6,  # pools: payload as uint8, scales fp16 ([P, U, PAGE, ...]), in the registry's order, then unit counts
     unit_precision,
     unit_index,
     k_channel_scale,
     int4_clip,  # static tables [L, 2, KVH] / [L, KVH, D]
     layer,
     KVH,
+    positions,
+    klt_bits,
+    klt_offset,
+    klt_step,  # KLT: each slot's position [P, PAGE] int32; per key unit bits / stream offsets / steps [L, KVH, D]
     PAGE: tl.constexpr,
     D: tl.constexpr,
     GS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    KLT: tl.constexpr,
 ):
     """One program = BLOCK_T tokens of one unit (K or V of one KV head). Every operation follows
-    docs/KV_FORMAT.md §3 in fp32 with IEEE division (div_rn), so the bytes equal the oracle's."""
+    docs/KV_FORMAT.md §3 in fp32 with IEEE division (div_rn), so the bytes equal the oracle's. KLT units get their
+    coefficients (the launcher's transform: unrope, centre, weight, basis) and code them here."""
     HALF: tl.constexpr = D // 2
     EIGHTH: tl.constexpr = D // 8
     NG: tl.constexpr = D // GS
@@ -126,8 +178,15 @@ def _quantize_append_kernel(
         tl.max(tl.where(in_lo, tl.abs(x_lo)[:, None, :], 0.0), axis=2),
         tl.max(tl.where(in_hi, tl.abs(x_hi)[:, None, :], 0.0), axis=2),
     )  # [T, NG]
-    qmax = tl.where(prec == 0, 7.0, tl.where(prec == 1, 448.0, tl.where(prec == 2, 127.0, 15.0)))
-    amax = tl.where(prec == 0, clip * amax, amax)  # the clip ratio applies to INT4 units only
+    # qmax by code: INT4 7, FP8 448, INT8 127, INT5 15, INT6 31, INT3 3.5 (its levels (n - 3.5) s)
+    qmax = tl.where(
+        prec == 0,
+        7.0,
+        tl.where(
+            prec == 1, 448.0, tl.where(prec == 2, 127.0, tl.where(prec == 3, 15.0, tl.where(prec == 4, 31.0, 3.5)))
+        ),
+    )
+    amax = tl.where(prec == 0, clip * amax, tl.where(prec == 5, amax * 0.8, amax))  # INT4's clip, INT3's fixed one
     s = tl.minimum(tl.math.div_rn(amax, qmax), 65504.0).to(tl.float16)  # fp16(...), RNE, saturating
     sf = s.to(tl.float32)
     # scale of each element, [T, HALF] per half (exact: one non-zero term per max)
@@ -163,47 +222,220 @@ def _quantize_append_kernel(
             q = ((y + 12582912.0) - 12582912.0).to(tl.int32)
             tl.store(qi8 + base[:, None] * D + h * HALF + j[None, :], (q & 0xFF).to(tl.uint8), mask=m2)
         tl.store(si8 + base[:, None] * NG + g[None, :], s, mask=m2)
-    else:  # INT5: the low 4 bits packed as INT4's nibbles, then the plane of high bits (§3)
+    elif prec == 3:  # INT5: the low 4 bits packed as INT4's nibbles, then the plane of bit 4 (§3)
         base = (page * U5 + idx) * PAGE + off
         ROW: tl.constexpr = HALF + EIGHTH
         n_lo = ((tl.minimum(tl.maximum(y_lo, -15.0), 15.0) + 12582912.0) - 12582912.0 + 16.0).to(tl.int32)
         n_hi = ((tl.minimum(tl.maximum(y_hi, -15.0), 15.0) + 12582912.0) - 12582912.0 + 16.0).to(tl.int32)
         tl.store(q5 + base[:, None] * ROW + j[None, :], ((n_lo & 15) | ((n_hi & 15) << 4)).to(tl.uint8), mask=m2)
-        # plane byte i: bit b is bit 4 of element i + b * D/8 (low half: b = j // (D/8), high half: 4 + that);
-        # a [T, D/8, D/2] select-and-sum gathers them (one non-zero term per bit, so the sum is an OR)
         pe = tl.arange(0, EIGHTH)
-        bit = (j // EIGHTH)[None, :]
-        bits = ((n_lo >> 4) << bit) | ((n_hi >> 4) << (bit + 4))  # [T, HALF]
-        plane = tl.sum(tl.where(((j % EIGHTH)[None, :] == pe[:, None])[None, :, :], bits[:, None, :], 0), axis=2)
+        plane = _plane(n_lo >> 4, n_hi >> 4, j, EIGHTH)
         tl.store(q5 + base[:, None] * ROW + HALF + pe[None, :], plane.to(tl.uint8), mask=m2)
         tl.store(s5 + base[:, None] * NG + g[None, :], s, mask=m2)
+    elif prec == 4:  # INT6: INT5's layout, then the plane of bit 5
+        base = (page * U6 + idx) * PAGE + off
+        ROW6: tl.constexpr = HALF + 2 * EIGHTH
+        n_lo = ((tl.minimum(tl.maximum(y_lo, -31.0), 31.0) + 12582912.0) - 12582912.0 + 32.0).to(tl.int32)
+        n_hi = ((tl.minimum(tl.maximum(y_hi, -31.0), 31.0) + 12582912.0) - 12582912.0 + 32.0).to(tl.int32)
+        tl.store(q6 + base[:, None] * ROW6 + j[None, :], ((n_lo & 15) | ((n_hi & 15) << 4)).to(tl.uint8), mask=m2)
+        pe = tl.arange(0, EIGHTH)
+        for b in tl.static_range(2):
+            plane = _plane((n_lo >> (4 + b)) & 1, (n_hi >> (4 + b)) & 1, j, EIGHTH)
+            tl.store(q6 + base[:, None] * ROW6 + HALF + b * EIGHTH + pe[None, :], plane.to(tl.uint8), mask=m2)
+        tl.store(s6 + base[:, None] * NG + g[None, :], s, mask=m2)
+    elif prec == 5:  # INT3: n = clamp(floor(x / s) + 4, 0, 7), the planes of bits 0, 1, 2
+        base = (page * U3 + idx) * PAGE + off
+        ROW3: tl.constexpr = 3 * EIGHTH
+        n_lo = tl.minimum(tl.maximum(tl.floor(y_lo) + 4.0, 0.0), 7.0).to(tl.int32)
+        n_hi = tl.minimum(tl.maximum(tl.floor(y_hi) + 4.0, 0.0), 7.0).to(tl.int32)
+        pe = tl.arange(0, EIGHTH)
+        for b in tl.static_range(3):
+            plane = _plane((n_lo >> b) & 1, (n_hi >> b) & 1, j, EIGHTH)
+            tl.store(q3 + base[:, None] * ROW3 + b * EIGHTH + pe[None, :], plane.to(tl.uint8), mask=m2)
+        tl.store(s3 + base[:, None] * NG + g[None, :], s, mask=m2)
+    elif KLT:  # KLT4 / KLT5 / KLT6 key units: x are the coefficients; one scale per token, a bit stream per row
+        pay = tl.where(prec == 6, qk4, tl.where(prec == 7, qk5, qk6))
+        sc = tl.where(prec == 6, sk4, tl.where(prec == 7, sk5, sk6))
+        nu = tl.where(prec == 6, Uk4, tl.where(prec == 7, Uk5, Uk6)).to(tl.int64)
+        rb = HALF + (prec - 6) * EIGHTH  # D/2, 5D/8, 3D/4 bytes
+        base = (page * nu + idx) * PAGE + off
+        tb = (layer * KVH + head) * D
+        b_lo, b_hi = tl.load(klt_bits + tb + j), tl.load(klt_bits + tb + HALF + j)
+        t_lo, t_hi = tl.load(klt_step + tb + j), tl.load(klt_step + tb + HALF + j)
+        o_lo, o_hi = tl.load(klt_offset + tb + j), tl.load(klt_offset + tb + HALF + j)
+        qm_lo, qm_hi = _qmax(b_lo), _qmax(b_hi)
+        w_lo, w_hi = b_lo >= 2, b_hi >= 2
+        r_lo = tl.where(w_lo[None, :], tl.math.div_rn(tl.abs(x_lo), tl.where(w_lo, qm_lo * t_lo, 1.0)[None, :]), 0.0)
+        r_hi = tl.where(w_hi[None, :], tl.math.div_rn(tl.abs(x_hi), tl.where(w_hi, qm_hi * t_hi, 1.0)[None, :]), 0.0)
+        ks = tl.minimum(tl.maximum(tl.max(r_lo, axis=1), tl.max(r_hi, axis=1)), 65504.0).to(tl.float16)  # [T]
+        kf = ks.to(tl.float32)
+        pos = tl.load(positions + page * PAGE + off, mask=tok, other=0).to(tl.int64)
+        kb = tl.arange(0, D)  # payload byte k of the row (D >= 3D/4 bytes, masked)
+        out = tl.zeros([BLOCK_T, D], tl.int32)
+        for h in tl.static_range(2):
+            x = x_lo if h == 0 else x_hi
+            bits = b_lo if h == 0 else b_hi
+            st = t_lo if h == 0 else t_hi
+            qm = qm_lo if h == 0 else qm_hi
+            o = o_lo if h == 0 else o_hi
+            tt = kf[:, None] * st[None, :]
+            v = tl.math.div_rn(x, tl.where(tt > 0, tt, 1.0)) + _dither(pos, u, j + h * HALF)
+            q = (tl.minimum(tl.maximum(v, -qm[None, :]), qm[None, :]) + 12582912.0) - 12582912.0
+            q = tl.where((bits[None, :] >= 2) & (tt > 0), q, 0.0)
+            n = tl.where(
+                bits[None, :] >= 2, q + qm[None, :] + 1.0, tl.where((bits[None, :] == 1) & (x >= 0.0), 1.0, 0.0)
+            ).to(tl.int32)
+            wsh = n << (o & 7)[None, :]  # < 2^15: its low byte goes to byte o >> 3, its high byte to the next
+            at = (o >> 3)[None, None, :]
+            out += tl.sum(tl.where(at == kb[None, :, None], (wsh & 255)[:, None, :], 0), axis=2)
+            out += tl.sum(tl.where(at + 1 == kb[None, :, None], (wsh >> 8)[:, None, :], 0), axis=2)
+        tl.store(pay + base[:, None] * rb + kb[None, :], out.to(tl.uint8), mask=m2 & (kb < rb)[None, :])
+        tl.store(sc + base, ks, mask=tok)
 
 
 @triton.jit
-def _by_precision(prec, int4, fp8, int8, int5):
+def _by_precision(prec, int4, fp8, int8, int5, int6, int3, klt4, klt5, klt6):
     """A unit's pool (or unit count) by its precision code."""
-    return tl.where(prec == 0, int4, tl.where(prec == 1, fp8, tl.where(prec == 2, int8, int5)))
+    return tl.where(
+        prec == 0,
+        int4,
+        tl.where(
+            prec == 1,
+            fp8,
+            tl.where(
+                prec == 2,
+                int8,
+                tl.where(
+                    prec == 3,
+                    int5,
+                    tl.where(
+                        prec == 4,
+                        int6,
+                        tl.where(prec == 5, int3, tl.where(prec == 6, klt4, tl.where(prec == 7, klt5, klt6))),
+                    ),
+                ),
+            ),
+        ),
+    )
 
 
 @triton.jit
-def _codes(b_lo, b_hi, b_x, sh, prec):
-    """Payload bytes of a row's low and high halves -> its codes as fp16 (exact), before the scales. INT5 also
-    reads b_x, the high-bit plane byte of each element (bit sh for the low half, sh + 4 for the high half)."""
-    if prec == 0:  # nibble n -> fp16 1024 + n by bit pattern, minus 1032 = n - 8 (no int->float convert)
-        lo = ((b_lo & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        hi = ((b_hi >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-    elif prec == 1:
-        lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    elif prec == 2:  # int8 q: (q + 128) -> 1024 + q + 128, minus 1152
-        lo = ((b_lo ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-        hi = ((b_hi ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-    else:  # int5 code n = nibble | high bit << 4 -> 1024 + n, minus 1040 = n - 16
-        x = b_x.to(tl.uint16)
-        s = sh.to(tl.uint16)[None, :]
-        lo = ((b_lo & 15).to(tl.uint16) | (((x >> s) & 1) << 4) | 0x6400).to(tl.float16, bitcast=True) - 1040.0
-        hi = ((b_hi >> 4).to(tl.uint16) | (((x >> (s + 4)) & 1) << 4) | 0x6400).to(tl.float16, bitcast=True) - 1040.0
+def _row_layout(prec, HALF: tl.constexpr, EIGHTH: tl.constexpr):
+    """A unit's row bytes, the byte offset of its high half (D/2 for FP8 / INT8, 0 where both halves share a byte)
+    and where its bit planes start (INT5 / INT6 after the nibbles, INT3 at 0). Products with the constexprs (not
+    tl.where between constants) so the compiler sees aligned rows and vectorizes the payload loads."""
+    ho = ((prec == 1) | (prec == 2)).to(tl.int64) * HALF
+    planes = ((prec == 3) | (prec == 7)).to(tl.int64) + 2 * ((prec == 4) | (prec == 8)).to(tl.int64)
+    rb = (prec != 5).to(tl.int64) * (ho + HALF + planes * EIGHTH) + (prec == 5).to(tl.int64) * 3 * EIGHTH
+    pb = ((prec == 3) | (prec == 4)).to(tl.int64) * HALF
+    return rb, ho, pb
+
+
+@triton.jit
+def _codes(rowp, m2, j, ho, pb, prec, EIGHTH: tl.constexpr):
+    """The codes of a tile of rows (rowp [N] row pointers, m2 [N, 1] the tokens loaded) as the values they stand for
+    before the scales, low half and high half [N, D/2] fp16 (exact: integers and half-integers below 64).
+    Nibbles n -> fp16 1024 + n by bit pattern, minus 1024 + zero (no int->float convert)."""
+    pre = rowp[:, None]
+    sh = (j // EIGHTH).to(tl.uint16)[None, :]  # which bit of its plane byte holds a low-half element's bit
+    if prec == 5:  # INT3: three planes, no nibbles
+        x0 = tl.load(pre + (j % EIGHTH)[None, :], mask=m2, other=0).to(tl.uint16)
+        x1 = tl.load(pre + EIGHTH + (j % EIGHTH)[None, :], mask=m2, other=0).to(tl.uint16)
+        x2 = tl.load(pre + 2 * EIGHTH + (j % EIGHTH)[None, :], mask=m2, other=0).to(tl.uint16)
+        lo = ((x0 >> sh) & 1) | (((x1 >> sh) & 1) << 1) | (((x2 >> sh) & 1) << 2)
+        hi = ((x0 >> (sh + 4)) & 1) | (((x1 >> (sh + 4)) & 1) << 1) | (((x2 >> (sh + 4)) & 1) << 2)
+        lo = ((lo | 0x6400).to(tl.float16, bitcast=True) - 1024.0) - 3.5
+        hi = ((hi | 0x6400).to(tl.float16, bitcast=True) - 1024.0) - 3.5
+    else:
+        b_lo = tl.load(pre + j[None, :], mask=m2, other=0)
+        b_hi = tl.load(pre + ho + j[None, :], mask=m2, other=0)
+        if prec == 1:
+            lo = b_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            hi = b_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        elif prec == 2:  # int8 q: (q + 128) -> 1024 + q + 128, minus 1152
+            lo = ((b_lo ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+            hi = ((b_hi ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+        else:  # INT4 (nibbles), INT5 (+ the plane of bit 4), INT6 (+ the plane of bit 5)
+            lo = (b_lo & 15).to(tl.uint16)
+            hi = (b_hi >> 4).to(tl.uint16)
+            if (prec == 3) | (prec == 4):
+                x = tl.load(pre + pb + (j % EIGHTH)[None, :], mask=m2, other=0).to(tl.uint16)
+                lo = lo | (((x >> sh) & 1) << 4)
+                hi = hi | (((x >> (sh + 4)) & 1) << 4)
+            if prec == 4:
+                x = tl.load(pre + pb + EIGHTH + (j % EIGHTH)[None, :], mask=m2, other=0).to(tl.uint16)
+                lo = lo | (((x >> sh) & 1) << 5)
+                hi = hi | (((x >> (sh + 4)) & 1) << 5)
+            zero = tl.where(prec == 0, 1032.0, tl.where(prec == 3, 1040.0, 1056.0))
+            lo = (lo | 0x6400).to(tl.float16, bitcast=True) - zero.to(tl.float16)
+            hi = (hi | 0x6400).to(tl.float16, bitcast=True) - zero.to(tl.float16)
     return lo, hi
+
+
+@triton.jit
+def _klt_half(rowp, m2, rb, s, pos, uk, i, bits, o, st, lev):
+    """One half of a tile of KLT key rows -> its coefficients [N, D/2] float32 (docs/KV_FORMAT.md §3 "KLT units"):
+    each code from the bit stream (the two bytes at its offset), minus the level's offset and the dither, times the
+    token's scale s [N] and the coefficient's step; 1-bit coefficients are a sign and a level; 0-bit ones 0."""
+    at = (o >> 3)[None, :]
+    b0 = tl.load(rowp[:, None] + at, mask=m2, other=0).to(tl.int32)
+    b1 = tl.load(rowp[:, None] + at + 1, mask=m2 & (at + 1 < rb), other=0).to(tl.int32)
+    n = ((b0 | (b1 << 8)) >> (o & 7)[None, :]) & ((1 << bits) - 1)[None, :]
+    qm = _qmax(bits)[None, :]
+    t = s[:, None] * st[None, :]
+    u = _dither(pos, uk, i)
+    return tl.where(
+        bits[None, :] >= 2,
+        tl.where(t > 0, (n.to(tl.float32) - qm - 1.0 - u) * t, 0.0),
+        tl.where(bits[None, :] == 1, tl.where(n > 0, lev[None, :], -lev[None, :]), 0.0),
+    )
+
+
+@triton.jit
+def _square(base, j, D: tl.constexpr, HALF: tl.constexpr):
+    """The four [D/2, D/2] blocks of a row-major [D, D] float32 matrix: (rows lo|hi) x (columns lo|hi)."""
+    r = j[:, None] * D
+    return (
+        tl.load(base + r + j[None, :]),
+        tl.load(base + r + HALF + j[None, :]),
+        tl.load(base + HALF * D + r + j[None, :]),
+        tl.load(base + HALF * D + r + HALF + j[None, :]),
+    )
+
+
+@triton.jit
+def _times(x_lo, x_hi, M_ll, M_lh, M_hl, M_hh):
+    """[x_lo | x_hi] @ M for M given as its four blocks -> the product's low and high half (fp32 dots)."""
+    lo = tl.dot(x_lo, M_ll, input_precision="ieee") + tl.dot(x_hi, M_hl, input_precision="ieee")
+    hi = tl.dot(x_lo, M_lh, input_precision="ieee") + tl.dot(x_hi, M_hh, input_precision="ieee")
+    return lo, hi
+
+
+@triton.jit
+def _quant_scores(
+    q_lo, q_hi, k_rows, k_sc, krow, tok, j, k_ho, k_pb, kprec, D: tl.constexpr, GS: tl.constexpr, OP: tl.constexpr
+):
+    """q·k̂ of a tile of quantized key rows [BLOCK_M, N]: codes (exact in fp16) and their scales (per half-row when
+    a half lies in one group, GS >= D/2, else per element)."""
+    HALF: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GS
+    m2 = tok[:, None]
+    k_lo, k_hi = _codes(k_rows, m2, j, k_ho, k_pb, kprec, D // 8)
+    if GS >= HALF:
+        ks_lo = tl.load(k_sc + krow * NG, mask=tok, other=0.0).to(tl.float32)
+        ks_hi = tl.load(k_sc + krow * NG + HALF // GS, mask=tok, other=0.0).to(tl.float32)
+        qk = (
+            tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") * ks_lo[None, :]
+            + tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee") * ks_hi[None, :]
+        )
+    else:
+        ks = k_sc + krow[:, None] * NG
+        k_lo = k_lo.to(tl.float32) * tl.load(ks + (j // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
+        k_hi = k_hi.to(tl.float32) * tl.load(ks + ((j + HALF) // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
+        qk = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") + tl.dot(
+            q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee"
+        )
+    return qk
 
 
 @triton.jit
@@ -227,10 +459,25 @@ def _paged_attention_kernel(
     si8,
     q5,
     s5,
+    q6,
+    s6,
+    q3,
+    s3,
+    qk4,
+    sk4,
+    qk5,
+    sk5,
+    qk6,
+    sk6,
     U4,
     U8,
     Ui8,
     U5,
+    U6,
+    U3,
+    Uk4,
+    Uk5,
+    Uk6,
     unit_precision,
     unit_index,
     k_channel_scale,
@@ -246,6 +493,29 @@ def _paged_attention_kernel(
     W,
     scale_bits,
     chunk,  # scale_bits: sm_scale's fp32 bits (AOT launchers pass fp32 args badly)
+    positions,
+    klt_bits,
+    klt_offset,
+    klt_step,
+    klt_level,
+    klt_basis,
+    klt_weight,
+    klt_mean,
+    inv_freq,  # KLT (KLT == 1): slot positions [P, PAGE]; per key unit tables [L, KVH, D] / basis [L, KVH, D, D]
+    rec_k,
+    rec_v,
+    seq_row,
+    q_pos,
+    tree_pos,
+    stride_tp,
+    exact_k_map,
+    exact_k_bias,
+    exact_v_map,
+    SINK,
+    WINDOW,
+    RING,
+    ROWS,  # exact entries (EXACT == 1): the FP16 copies [L, ROWS, KVH, SINK + RING, D], each sequence's row [B],
+    # its queries' positions [B, G] and its tree entries' [B, *]; the maps of the copies into the stored basis
     PAGE: tl.constexpr,
     D: tl.constexpr,
     GS: tl.constexpr,
@@ -254,13 +524,17 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     F32: tl.constexpr,
+    KLT: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """One program = one (sequence, KV head, context split, block of query rows). Rows are (tree token g,
     query head r of this KV head's GQA group): GQA shares every K/V byte loaded among R query heads.
 
     Split s covers context tokens [s*chunk, min((s+1)*chunk, ctx)); split 0 also covers the tree tokens
     [ctx, ctx + num_tree), which are masked by the packed tree mask. Dequantization follows §4: K scales are
-    applied to q·k per half-row when a half lies in one group (GS >= D/2), otherwise per element.
+    applied to q·k per half-row when a half lies in one group (GS >= D/2), otherwise per element. With exact
+    entries a (query, key) pair whose key is a sink position or within the window of the query's position reads
+    the key's and value's FP16 copies instead (§4 "Exact entries"), mapped into the basis the codes are in.
     """
     HALF: tl.constexpr = D // 2
     EIGHTH: tl.constexpr = D // 8
@@ -292,26 +566,43 @@ def _paged_attention_kernel(
     q_lo = (q_lo * (tl.load(c_base + j) * qscale)[None, :]).to(OP)
     q_hi = (q_hi * (tl.load(c_base + HALF + j) * qscale)[None, :]).to(OP)
 
-    # The K and V units of this head: pool, unit count, row bytes (D/2 for int4, 5D/8 for int5, D otherwise) and
-    # the byte offset of the high half (0 for int4 and int5: both halves share a byte; D/2 otherwise). Written as
-    # products with the constexprs D/2 and D/8 (not tl.where between constants) so the compiler sees aligned
-    # rows and vectorizes the payload loads.
+    # The K and V units of this head: pool, unit count, row bytes, high-half offset, where the bit planes start
     uk = layer * 2 * KVH + kvh
     uv = uk + KVH
     kprec = tl.load(unit_precision + uk).to(tl.int32)
     vprec = tl.load(unit_precision + uv).to(tl.int32)
     kidx = tl.load(unit_index + uk).to(tl.int64)
     vidx = tl.load(unit_index + uv).to(tl.int64)
-    k_pay, v_pay = _by_precision(kprec, q4, q8, qi8, q5), _by_precision(vprec, q4, q8, qi8, q5)
-    k_sc, v_sc = _by_precision(kprec, s4, s8, si8, s5), _by_precision(vprec, s4, s8, si8, s5)
-    kU = _by_precision(kprec, U4, U8, Ui8, U5).to(tl.int64)
-    vU = _by_precision(vprec, U4, U8, Ui8, U5).to(tl.int64)
-    k_ho = ((kprec == 1) | (kprec == 2)).to(tl.int64) * HALF
-    v_ho = ((vprec == 1) | (vprec == 2)).to(tl.int64) * HALF
-    k_rb = k_ho + HALF + (kprec == 3).to(tl.int64) * EIGHTH
-    v_rb = v_ho + HALF + (vprec == 3).to(tl.int64) * EIGHTH
-    sh = j // EIGHTH  # INT5: which bit of its plane byte holds a low-half element's bit 4
-    x_off = HALF + j % EIGHTH  # INT5: where in the row that plane byte is
+    k_pay = _by_precision(kprec, q4, q8, qi8, q5, q6, q3, qk4, qk5, qk6)
+    v_pay = _by_precision(vprec, q4, q8, qi8, q5, q6, q3, qk4, qk5, qk6)
+    k_sc = _by_precision(kprec, s4, s8, si8, s5, s6, s3, sk4, sk5, sk6)
+    v_sc = _by_precision(vprec, s4, s8, si8, s5, s6, s3, sk4, sk5, sk6)
+    kU = _by_precision(kprec, U4, U8, Ui8, U5, U6, U3, Uk4, Uk5, Uk6).to(tl.int64)
+    vU = _by_precision(vprec, U4, U8, Ui8, U5, U6, U3, Uk4, Uk5, Uk6).to(tl.int64)
+    k_rb, k_ho, k_pb = _row_layout(kprec, HALF, EIGHTH)
+    v_rb, v_ho, v_pb = _row_layout(vprec, HALF, EIGHTH)
+
+    if KLT:  # this head's key tables (zeros where its key unit is not KLT; then unused)
+        kt = (layer * KVH + kvh) * D
+        kb_lo, kb_hi = tl.load(klt_bits + kt + j), tl.load(klt_bits + kt + HALF + j)
+        ko_lo, ko_hi = tl.load(klt_offset + kt + j), tl.load(klt_offset + kt + HALF + j)
+        kst_lo, kst_hi = tl.load(klt_step + kt + j), tl.load(klt_step + kt + HALF + j)
+        klv_lo, klv_hi = tl.load(klt_level + kt + j), tl.load(klt_level + kt + HALF + j)
+        kw_lo, kw_hi = tl.load(klt_weight + kt + j), tl.load(klt_weight + kt + HALF + j)
+        km_lo, km_hi = tl.load(klt_mean + kt + j), tl.load(klt_mean + kt + HALF + j)
+        invf = tl.load(inv_freq + j)
+        # z @ V^T: the transposed blocks of the basis V [D (channel), D (coefficient)]
+        V_ll, V_lh, V_hl, V_hh = _square(klt_basis + kt * D, j, D, HALF)
+        Vt_ll, Vt_lh, Vt_hl, Vt_hh = tl.trans(V_ll), tl.trans(V_hl), tl.trans(V_lh), tl.trans(V_hh)
+    if EXACT:
+        srow = tl.load(seq_row + b).to(tl.int64)
+        qp = tl.load(q_pos + b * G + g, mask=row_ok, other=0)
+        C = SINK + RING
+        ebase = ((layer * ROWS + srow) * KVH + kvh) * C
+        eb = (layer * KVH + kvh) * D
+        Mk_ll, Mk_lh, Mk_hl, Mk_hh = _square(exact_k_map + eb * D, j, D, HALF)
+        Mv_ll, Mv_lh, Mv_hl, Mv_hh = _square(exact_v_map, j, D, HALF)
+        bk_lo, bk_hi = tl.load(exact_k_bias + eb + j), tl.load(exact_k_bias + eb + HALF + j)
 
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, ctx)
@@ -332,30 +623,27 @@ def _paged_attention_kernel(
         off = t % PAGE
         m2 = tok[:, None]
 
-        # ---- K: codes (exact in fp16), scales
+        # ---- K: codes (exact in fp16) and scales, or a KLT unit's keys
         krow = (page * kU + kidx) * PAGE + off
-        kb = k_pay + (krow * k_rb)[:, None] + j[None, :]
-        b_lo = tl.load(kb, mask=m2, other=0)
-        b_hi = tl.load(kb + k_ho, mask=m2, other=0)
-        if kprec == 3:
-            b_x = tl.load(kb - j[None, :] + x_off[None, :], mask=m2, other=0)
+        k_rows = k_pay + krow * k_rb
+        if KLT:
+            if kprec >= 6:
+                kpos = tl.load(positions + page * PAGE + off, mask=tok, other=0).to(tl.int64)
+                ks = tl.load(k_sc + krow, mask=tok, other=0.0).to(tl.float32)
+                z_lo = _klt_half(k_rows, m2, k_rb, ks, kpos, uk, j, kb_lo, ko_lo, kst_lo, klv_lo)
+                z_hi = _klt_half(k_rows, m2, k_rb, ks, kpos, uk, j + HALF, kb_hi, ko_hi, kst_hi, klv_hi)
+                y_lo, y_hi = _times(z_lo, z_hi, Vt_ll, Vt_lh, Vt_hl, Vt_hh)
+                y_lo = tl.math.div_rn(y_lo, kw_lo[None, :]) + km_lo[None, :]
+                y_hi = tl.math.div_rn(y_hi, kw_hi[None, :]) + km_hi[None, :]
+                ang = kpos.to(tl.float32)[:, None] * invf[None, :]
+                cs, sn = tl.cos(ang), tl.sin(ang)
+                qk = tl.dot(q_lo, tl.trans((y_lo * cs - y_hi * sn).to(OP)), input_precision="ieee") + tl.dot(
+                    q_hi, tl.trans((y_hi * cs + y_lo * sn).to(OP)), input_precision="ieee"
+                )
+            else:
+                qk = _quant_scores(q_lo, q_hi, k_rows, k_sc, krow, tok, j, k_ho, k_pb, kprec, D, GS, OP)
         else:
-            b_x = b_lo
-        k_lo, k_hi = _codes(b_lo, b_hi, b_x, sh, kprec)
-        if HALF_SCALE:
-            ks_lo = tl.load(k_sc + krow * NG, mask=tok, other=0.0).to(tl.float32)
-            ks_hi = tl.load(k_sc + krow * NG + HALF // GS, mask=tok, other=0.0).to(tl.float32)
-            qk = (
-                tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") * ks_lo[None, :]
-                + tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee") * ks_hi[None, :]
-            )
-        else:
-            ks = k_sc + krow[:, None] * NG
-            k_lo = k_lo.to(tl.float32) * tl.load(ks + (j // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
-            k_hi = k_hi.to(tl.float32) * tl.load(ks + ((j + HALF) // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
-            qk = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision="ieee") + tl.dot(
-                q_hi, tl.trans(k_hi.to(OP)), input_precision="ieee"
-            )
+            qk = _quant_scores(q_lo, q_hi, k_rows, k_sc, krow, tok, j, k_ho, k_pb, kprec, D, GS, OP)
 
         # ---- visibility: committed context is visible to every row; tree token jt only where bit (g, jt) is set
         vis = row_ok[:, None] & tok[None, :]
@@ -363,6 +651,22 @@ def _paged_attention_kernel(
             jt = t - ctx
             words = tl.load(tree_mask + ((b * G + g) * W)[:, None] + (jt // 32)[None, :], mask=vis, other=0)
             vis = vis & (((words >> (jt % 32)[None, :]) & 1) != 0)
+
+        # ---- exact entries: the pairs that read the FP16 copies (a sink position, or within the query's window)
+        if EXACT:
+            kp = tl.where(t >= ctx, tl.load(tree_pos + b * stride_tp + (t - ctx), mask=tok & (t >= ctx), other=0), t)
+            ex = vis & ((kp[None, :] < SINK) | ((qp[:, None] - kp[None, :]) < WINDOW))
+            e_keys = m2 & (tl.max(ex.to(tl.int32), axis=0) > 0)[:, None]  # keys some query reads exact: loaded
+            col = tl.where(t < SINK, t, SINK + (t - SINK) % RING).to(tl.int64)
+            e_rows = (ebase + col)[:, None] * D
+            e_lo = tl.load(rec_k + e_rows + j[None, :], mask=e_keys, other=0.0).to(tl.float32)
+            e_hi = tl.load(rec_k + e_rows + HALF + j[None, :], mask=e_keys, other=0.0).to(tl.float32)
+            e_lo, e_hi = _times(e_lo, e_hi, Mk_ll, Mk_lh, Mk_hl, Mk_hh)
+            e_lo, e_hi = e_lo + bk_lo[None, :], e_hi + bk_hi[None, :]
+            qk_e = tl.dot(q_lo, tl.trans(e_lo.to(OP)), input_precision="ieee") + tl.dot(
+                q_hi, tl.trans(e_hi.to(OP)), input_precision="ieee"
+            )
+            qk = tl.where(ex, qk_e, qk)
         qk = tl.where(vis, qk, float("-inf"))
 
         # ---- online softmax (base 2)
@@ -375,14 +679,7 @@ def _paged_attention_kernel(
 
         # ---- V: dequantized into the dot operand (its scale varies along the reduction axis)
         vrow = (page * vU + vidx) * PAGE + off
-        vb = v_pay + (vrow * v_rb)[:, None] + j[None, :]
-        b_lo = tl.load(vb, mask=m2, other=0)
-        b_hi = tl.load(vb + v_ho, mask=m2, other=0)
-        if vprec == 3:
-            b_x = tl.load(vb - j[None, :] + x_off[None, :], mask=m2, other=0)
-        else:
-            b_x = b_lo
-        v_lo, v_hi = _codes(b_lo, b_hi, b_x, sh, vprec)
+        v_lo, v_hi = _codes(v_pay + vrow * v_rb, m2, j, v_ho, v_pb, vprec, EIGHTH)
         vs = v_sc + vrow[:, None] * NG
         if HALF_SCALE:
             v_lo = v_lo.to(tl.float32) * tl.load(vs, mask=m2, other=0.0).to(tl.float32)
@@ -390,9 +687,19 @@ def _paged_attention_kernel(
         else:
             v_lo = v_lo.to(tl.float32) * tl.load(vs + (j // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
             v_hi = v_hi.to(tl.float32) * tl.load(vs + ((j + HALF) // GS)[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc_lo = acc_lo * alpha[:, None]
+        acc_hi = acc_hi * alpha[:, None]
+        if EXACT:
+            e_lo = tl.load(rec_v + e_rows + j[None, :], mask=e_keys, other=0.0).to(tl.float32)
+            e_hi = tl.load(rec_v + e_rows + HALF + j[None, :], mask=e_keys, other=0.0).to(tl.float32)
+            e_lo, e_hi = _times(e_lo, e_hi, Mv_ll, Mv_lh, Mv_hl, Mv_hh)
+            pe = tl.where(ex, p, 0.0).to(OP)
+            acc_lo += tl.dot(pe, e_lo.to(OP), input_precision="ieee")
+            acc_hi += tl.dot(pe, e_hi.to(OP), input_precision="ieee")
+            p = tl.where(ex, 0.0, p)
         pp = p.to(OP)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(pp, v_lo.to(OP), input_precision="ieee")
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(pp, v_hi.to(OP), input_precision="ieee")
+        acc_lo += tl.dot(pp, v_lo.to(OP), input_precision="ieee")
+        acc_hi += tl.dot(pp, v_hi.to(OP), input_precision="ieee")
 
     if SPLIT:
         r = ((b * G + g) * (KVH * R) + qh).to(tl.int64) + pid_s.to(tl.int64) * nrows
@@ -482,21 +789,25 @@ N_POOLS = 18  # the kernels' pool arguments: a payload and a scale pool for each
 
 
 def _store_args(store):
-    """The pools in the kernels' argument order (payload as bytes, scales; per precision in the store's registry
-    order: INT4, FP8, INT8, INT5), then each precision's unit count."""
+    """The pools in the kernels' argument order (payload as bytes, scales; per precision in the registry's order,
+    INT4, FP8, INT8, INT5, INT6, INT3, KLT4, KLT5, KLT6), then each precision's unit count."""
     if not hasattr(store, "payload"):
-        raise TypeError(f"the kernels read a QuantKVStore (INT4/FP8/INT8/INT5 pools), got {type(store).__name__}")
-    if not store.kernel_readable:
-        raise ValueError(
-            "the kernels read INT4/FP8/INT8/INT5 units; this plan has INT6, INT3 or KLT units (PyTorch path)"
-        )
-    pools = store.kernel_pools()
+        raise TypeError(f"the kernels read a QuantKVStore, got {type(store).__name__}")
+    why = store.support("triton")
+    if why:
+        raise ValueError(f"the Triton kernels cannot read this KV plan: {'; '.join(why)}")
+    pools = store.reader_pools("triton")
+    if len(pools) != N_POOLS:
+        raise ValueError(f"the kernels take {N_POOLS} pools, the store gives {len(pools)} (kernel and registry differ)")
     payloads = pools[0::2]
     return (*(t.view(torch.uint8) if t.dtype == torch.int8 else t for t in pools), *(t.shape[1] for t in payloads))
 
 
-def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize-and-append k, v [N, KVH, D] into flat slots [N]: the bytes `store.write` produces."""
+def quantize_append(
+    store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+) -> None:
+    """Quantize-and-append k, v [N, KVH, D] into flat slots [N]: the bytes `store.write` produces. positions [N]: the
+    tokens' RoPE positions (a plan with KLT key units records them and codes the keys before RoPE)."""
     N, KVH, D = k.shape
     if v.shape != k.shape or KVH != store.num_kv_heads or D != store.head_size:
         raise ValueError(
@@ -506,11 +817,12 @@ def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
         return
     if (why := check_shape(D, store.G)) is not None:
         raise ValueError(f"quantize_append: {why}")
-    if store.transformed:  # centering, channel scale and rotation are matmuls; the kernel quantizes the result
-        k, v = store.transform(layer, k, v)
+    slots = slots.to(device=k.device, dtype=torch.int64).contiguous()
+    # centering, channel scale, rotation and the KLT basis are matmuls; the kernel quantizes the result
+    k, v = store.kernel_transform(layer, slots, k, v, positions)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    slots = slots.to(device=k.device, dtype=torch.int64).contiguous()
+    pos, bits, offset, step = store.kernel_klt()[:4]
     block_t = 16 if k.is_cuda else min(_pow2(N), 64)  # interpreter: few, large programs
     extra = {"enable_fp_fusion": False} if k.is_cuda else {}  # no FMA contraction in the exact arithmetic
     _launch(
@@ -531,10 +843,15 @@ def quantize_append(store, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
         store.int4_clip,
         layer,
         KVH,
+        pos,
+        bits,
+        offset,
+        step,
         PAGE=store.page_size,
         D=D,
         GS=store.G,
         BLOCK_T=block_t,
+        KLT=int(store.positions is not None),
         **extra,
     )
 
@@ -556,6 +873,33 @@ def default_num_splits(
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split), 64))
 
 
+def _exact_args(store, exact, B: int, G: int, dev) -> tuple:
+    """The kernel's exact-entry arguments (see paged_attention), or placeholders when exact is None."""
+    if exact is None:
+        z, zi = torch.zeros(1, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+        return (z, z, zi, zi, zi, 0, z, z, z, 0, 0, 1, 0)
+    rec, rows, q_pos, tree_pos = exact
+    i32 = lambda x: x.to(device=dev, dtype=torch.int32).contiguous()  # noqa: E731
+    q_pos, tree_pos = i32(q_pos), i32(tree_pos)
+    if tuple(q_pos.shape) != (B, G) or tree_pos.dim() != 2 or tree_pos.shape[0] != B:
+        raise ValueError(
+            f"exact: q_pos must be [{B}, {G}] and tree_pos [{B}, *], got {tuple(q_pos.shape)}, {tuple(tree_pos.shape)}"
+        )
+    return (
+        rec.k,
+        rec.v,
+        i32(rows),
+        q_pos,
+        tree_pos,
+        tree_pos.stride(0),
+        *store.kernel_exact_maps(),
+        rec.sink,
+        rec.window,
+        max(rec.ring, 1),
+        rec.rows,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     store,
@@ -570,12 +914,16 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    exact: tuple | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, G, H, D] over each sequence's committed context (context_lens[b] tokens, read
     through block_tables [B, max_pages]) plus its num_tree[b] tree tokens stored right after it, visible
     per the packed tree_mask [B, G, ceil(G/32)] (row i bit j: query i sees tree token j; None = causal).
     Query rows g >= q_lens[b] (default num_tree[b]) are padding and come out 0. Returns q's shape and dtype.
-    The tree tokens' K/V must already be appended."""
+    The tree tokens' K/V must already be appended. exact: for a plan with exact entries, (its FP16 copies, a
+    `bpcompile.runtime.paged_kv.RecentKV`; each sequence's row there [B]; the positions of its query rows [B, G]
+    and of its tree entries [B, >= max num_tree]): a query reads the copy of a key at a sink position or within
+    the window of its own position (docs/KV_FORMAT.md §4)."""
     B, G, H, D = q.shape
     KVH, PAGE, GS = store.num_kv_heads, store.page_size, store.G
     if H % KVH or D != store.head_size:
@@ -631,6 +979,8 @@ def paged_attention(
         BLOCK_N=block_n,
         SPLIT=int(split),
         F32=int(q.dtype == torch.float32),
+        KLT=int(store.positions is not None),
+        EXACT=int(exact is not None),
     )
     if q.is_cuda:
         meta["num_warps"] = num_warps or (4 if block_m == 16 else 8)
@@ -664,6 +1014,8 @@ def paged_attention(
         W,
         _f32_bits(sm_scale),
         chunk,
+        *store.kernel_klt(),
+        *_exact_args(store, exact, B, G, dev),
         **meta,
     )
     if split:
@@ -696,7 +1048,10 @@ def move_slots(store, src: torch.Tensor, dst: torch.Tensor) -> None:
     dev = store.unit_precision.device
     src = src.to(device=dev, dtype=torch.int64).contiguous()
     dst = dst.to(device=dev, dtype=torch.int64).contiguous()
-    for pool in store.pools():
+    pools = store.pools()
+    if getattr(store, "positions", None) is not None:  # KLT plans: each slot's position moves with its bytes
+        pools.append(store.positions[:, None, :, None])
+    for pool in pools:
         P, U, PAGE, X = pool.shape
         if U == 0:
             continue

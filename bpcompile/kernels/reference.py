@@ -19,8 +19,12 @@ def paged_attention_reference(
     sm_scale: float,
     *,
     q_lens: torch.Tensor | None = None,
+    exact: tuple | None = None,
 ) -> torch.Tensor:
-    """The oracle of `paged_attention`: gather + dequantize with `store.read`, then softmax attention in fp32."""
+    """The oracle of `paged_attention`: gather + dequantize with `store.read`, then softmax attention in fp32.
+    exact (as paged_attention takes it: the FP16 copies, each sequence's row there, its queries' positions, its
+    tree entries' positions): a (query, key) pair whose key sits at a sink position or within the window of the
+    query's position reads the key's and value's copies (docs/KV_FORMAT.md §4 "Exact entries")."""
     B, G, H, D = q.shape
     R, S = H // store.num_kv_heads, store.page_size
     if tree_mask is None:
@@ -41,6 +45,21 @@ def paged_attention_reference(
         s = torch.einsum("ghd,thd->hgt", q[b, :nq].float(), k) * sm_scale
         vis = torch.ones(nq, ctx + nt, dtype=torch.bool, device=q.device)
         vis[:, ctx:] = visible[b, :nq, :nt].to(q.device)
+        if exact is not None:
+            rec, rows, q_pos, tree_pos = exact
+            kp = t.clone().to(q.device)
+            kp[ctx:] = tree_pos[b, :nt].to(kp)
+            qp = q_pos[b, :nq].to(kp)
+            ex = (kp[None, :] < rec.sink) | (qp[:, None] - kp[None, :] < rec.window)  # [nq, N]
+            col = rec.column(t.to(q.device))
+            ke = rec.k[layer, int(rows[b]), :, col].float().transpose(0, 1).repeat_interleave(R, dim=1)  # [N, H, D]
+            ve = rec.v[layer, int(rows[b]), :, col].float().transpose(0, 1).repeat_interleave(R, dim=1)
+            s = torch.where(ex[None], torch.einsum("ghd,thd->hgt", q[b, :nq].float(), ke) * sm_scale, s)
         p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1).nan_to_num(0.0)
-        out[b, :nq] = torch.einsum("hgt,thd->ghd", p, v)
+        if exact is not None:
+            out[b, :nq] = torch.einsum("hgt,thd->ghd", p * ~ex[None], v) + torch.einsum(
+                "hgt,thd->ghd", p * ex[None], ve
+            )
+        else:
+            out[b, :nq] = torch.einsum("hgt,thd->ghd", p, v)
     return out.to(q.dtype)

@@ -67,10 +67,11 @@ class Executor:
             [[kv.slot(r.id, i) for i in range(len(r.prompt))] + [0] * (T - len(r.prompt)) for r in reqs], device=dev
         ).reshape(-1)
         at = None
-        if kv.dense is not None:
+        if kv.dense is not None or kv.recent is not None:  # under the kernels a plan's exact copies are by row too
+            null = kv.dense.null if kv.dense is not None else kv.recent.rows
             at = (
                 torch.tensor(
-                    [[kv.rows[r.id]] * len(r.prompt) + [kv.dense.null] * (T - len(r.prompt)) for r in reqs], device=dev
+                    [[kv.rows[r.id]] * len(r.prompt) + [null] * (T - len(r.prompt)) for r in reqs], device=dev
                 ).view(-1),
                 torch.arange(T, device=dev).repeat(B),
             )
@@ -112,6 +113,87 @@ class Executor:
 
         with kv.batched_writes(own_exact=True):
             return self._model(tok, None, attend, feats, last_only=last_only)
+    def prefill_cached(
+        self, reqs: list[Request], starts: list[int], last_logits: bool = True, feats: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
+        """Prompts whose first starts[b] entries are already in the cache (a reused prefix, `PagedKV.adopt`):
+        only the rest goes through the model, attending to the cached prefix in its stored form and to its own
+        unquantized K/V (as `prefill` does). -> logits of each prompt's last token [B, V] when last_logits.
+        feats: as prefill's, over the new tokens."""
+        dev, kv = self.device, self.kv
+        lens = [len(r.prompt) - m for r, m in zip(reqs, starts)]
+        B, T = len(reqs), max(lens)
+        for r in reqs:
+            kv.ensure(r.id, len(r.prompt) + self.lookahead)
+        tok = torch.tensor([r.prompt[m:] + [0] * (T - t) for r, m, t in zip(reqs, starts, lens)], device=dev)
+        pos = torch.tensor([list(range(m, m + t)) + [0] * (T - t) for m, t in zip(starts, lens)], device=dev)
+        flat = torch.tensor(
+            [[kv.slot(r.id, i) for i in range(m, m + t)] + [0] * (T - t) for r, m, t in zip(reqs, starts, lens)],
+            device=dev,
+        ).reshape(-1)
+        at = rows = None
+        if kv.dense is not None:
+            rows = [kv.rows[r.id] for r in reqs]
+            at = (
+                torch.tensor([[row] * t + [kv.dense.null] * (T - t) for row, t in zip(rows, lens)], device=dev).view(
+                    -1
+                ),
+                pos.reshape(-1),
+            )
+        same = len(set(lens)) == 1
+        logits = self._call(
+            "run_prefill_cached",
+            same or not last_logits,
+            tok,
+            pos,
+            flat,
+            at,
+            kv.block_tables([r.id for r in reqs], dev) if kv.dense is None else None,
+            torch.tensor(starts, device=dev),
+            torch.tensor(lens, device=dev),
+            self._dense_width(),
+            *(() if feats is None else (feats,)),
+        )
+        if not last_logits:
+            return None
+        return logits[:, -1] if same else logits[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]
+
+    def run_prefill_cached(
+        self, last_only: bool, tok, pos, flat, at, tables, starts, lens, dense_width: int, feats=None
+    ) -> torch.Tensor:
+        kv, (B, T) = self.kv, tok.shape
+        flat_pos = pos.reshape(-1)
+        if kv.dense is not None:
+            kv.dense.reserve(dense_width)
+            rows = at[0].view(B, T)[:, 0].tolist()
+            st, ln = starts.tolist(), lens.tolist()
+
+            def attend(layer, q, k, v):
+                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
+                o = q.new_zeros(q.shape)  # padding rows: zeros (nothing reads them)
+                for b in range(B):
+                    m, t = st[b], ln[b]
+                    kd, vd = kv.dense.read(layer, [rows[b]], m)  # the prefix as the store holds it
+                    kk = torch.cat((kd.to(q.dtype), k[b : b + 1, :t].transpose(1, 2)), 2)
+                    vv = torch.cat((vd.to(q.dtype), v[b : b + 1, :t].transpose(1, 2)), 2)
+                    rep = q.shape[2] // k.shape[2]
+                    hidden = torch.ones(t, m + t, dtype=torch.bool, device=q.device).triu(m + 1)
+                    o[b, :t] = dense_attention(q[b : b + 1, :t], kk, vv, hidden.repeat_interleave(rep, 0)[None, None])[
+                        0
+                    ]
+                return o
+        else:  # the kernels (or the reference) over the pages: the new tokens are the tree region, causal
+            batch = AttnBatch(tables, starts, lens, lens, None, kv.ps)
+
+            def attend(layer, q, k, v):
+                kv.write(
+                    layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), positions=flat_pos
+                )
+                return paged_attention(q, kv.store, layer, batch, kv.kern)
+
+        with kv.batched_writes(own_exact=True):
+            return self._model(tok, pos, attend, feats, last_only=last_only)
+
 
     def _model(self, tok, pos, attend, feats, last_only: bool = False, rows=None) -> torch.Tensor:
         """The model's logits; its final hidden states go to self.hidden where it reads or feeds features."""
@@ -197,12 +279,35 @@ class Executor:
                     mask,
                     kv.ps,
                 ),
+                *(self._kernel_exact(reqs, writes, positions, ctx, tree_lens, pos) if kv.recent is not None else ()),
             )
         self.forwards += 1
         lrows = None if logit_rows is None else torch.tensor(logit_rows, device=dev)
         return self._call(
             "run_forward", tok, pos, flat, attn, self._dense_width(), *(() if feats is None else (feats, lrows))
         )
+
+    def _kernel_exact(self, reqs, writes, positions, ctx, tree_lens, pos) -> tuple:
+        """For the kernels over a plan with exact entries: (where this forward's entries go in the RecentKV: rows
+        [B * T], logical index [B * T]; (each sequence's row [B], its query rows' positions [B, T], its tree
+        entries' positions [B, max tree])). A tree entry sits at its token's position when this forward writes it,
+        else at its logical index (as `_exact_columns` places keys for the PyTorch path)."""
+        dev, rec = self.device, self.kv.recent
+        T = pos.shape[1]
+        rows = [self.kv.rows[r.id] for r in reqs]
+        at = (
+            torch.tensor([[row] * len(w) + [rec.rows] * (T - len(w)) for row, w in zip(rows, writes)], device=dev).view(
+                -1
+            ),
+            torch.tensor([w + [0] * (T - len(w)) for w in writes], device=dev).view(-1),
+        )
+        tree_pos = [[c + j for j in range(max(1, *tree_lens))] for c in ctx]
+        for b, (w, p, c, t) in enumerate(zip(writes, positions, ctx, tree_lens)):
+            for i, x in zip(w, p):
+                if c <= i < c + t:
+                    tree_pos[b][i - c] = x
+        meta = (torch.tensor(rows, device=dev), pos, torch.tensor(tree_pos, device=dev).view(len(reqs), -1))
+        return at, meta
 
     def _exact_last(self, row: int, N: int) -> tuple:
         """Exact columns for one query at position N - 1 over entries [0, N) (the decode step): it reads the exact
@@ -322,11 +427,14 @@ class Executor:
                     ek, ev = kv.recent.read(layer, e_rows, e_cols, q.dtype)
                     return dense_attention(q, kd, vd, hidden, exact=(ek, ev, hidden_e))
         else:
-            batch = attn[1]
+            batch, at = attn[1], None
+            if len(attn) > 2:  # the kernels read the plan's exact copies (and this forward writes them)
+                at, meta = attn[2], attn[3]
+                batch.exact = (kv.recent, *meta)
 
             def attend(layer, q, k, v):
                 kv.write(
-                    layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), positions=flat_pos
+                    layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, positions=flat_pos
                 )
                 return paged_attention(q, kv.store, layer, batch, kv.kern)
 

@@ -12,6 +12,8 @@ The in-flight loop that serves requests from other threads is inflight.py.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 import uuid
@@ -25,6 +27,7 @@ from bpcompile.core.engine import EXECUTORS, EngineConfig, resolve_device
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import MANIFEST, verify_enabled, verify_version
 from bpcompile.runtime.executor import Executor
+from bpcompile.runtime.kvcache import plan_support
 from bpcompile.runtime.model import FeatureDraft, Llama, is_feature_draft
 from bpcompile.runtime.paged_kv import (
     DenseKV,
@@ -51,6 +54,18 @@ from bpcompile.runtime.speculative_step import SpeculativeStep
 
 __all__ = ["Generator", "SamplingParams", "StepOutput", "RequestStats", "TreeSpec"]
 
+def _engine_salt(d: Path) -> str:
+    """What names an engine version in its pages' block hashes: its directory and its manifest's digest."""
+    m = d / "manifest.json"
+    return f"{d.resolve()}|{hashlib.sha256(m.read_bytes()).hexdigest() if m.is_file() else ''}"
+
+
+def _plan_key(store) -> str:
+    """A store's KV plan as text, for block hashes (its tensors are the engine's, which the salt names)."""
+    plan = getattr(store, "plan", None)
+    return "" if plan is None else json.dumps(plan.to_json(), sort_keys=True, default=str)
+
+
 
 class Generator:
     """Single-threaded in-flight batching engine over a verifier and an optional draft: the scheduler admits
@@ -74,6 +89,8 @@ class Generator:
         dense_kv: bool = True,
         backoff: bool = True,
         executor: str = "torch",
+        prefix_reuse: Optional[bool] = None,
+        salt: str = "",
         graphs: Optional[str | Path] = None,
     ):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
@@ -82,7 +99,12 @@ class Generator:
         attend over a per-sequence DenseKV copy of the cache (False: gather from the store every time).
         backoff: draft less or not at all while speculation does not pay (speculative.BackOff).
         executor: "torch" (the models' modules) or "onnxruntime" (their exported step graphs, found in
-        graphs/verifier and graphs/draft; bpcompile/compiler/onnx_export.py)."""
+        graphs/verifier and graphs/draft; bpcompile/compiler/onnx_export.py).
+        prefix_reuse: start a prompt from the cached pages of its leading full pages where an earlier prompt
+        computed them (`PagedKV` prefix reuse; never with the onnxruntime executor or a plan with sink tokens).
+        None: where outputs stay identical, i.e. float caches (with a quantized plan the rest of the prompt
+        reads the reused prefix in its stored form, where a full prefill reads it unquantized).
+        salt: what identifies the engine in the pages' block hashes."""
         if executor not in EXECUTORS:
             raise UserError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}", key="executor")
         if executor == "onnxruntime" and graphs is None:
@@ -112,12 +134,9 @@ class Generator:
             plan = getattr(store, "plan", None)
             exact = plan is not None and plan.has_exact
             if executor == "onnxruntime":
-                if exact:
-                    raise UserError(
-                        "the onnxruntime executor's graphs do not read exact (sink / recent-window) "
-                        "KV entries; use the torch executor for this plan",
-                        key="kv_cache.recent_window",
-                    )
+                why = plan_support(plan, "onnxruntime") if plan is not None else []
+                if why:
+                    raise UserError(f"{'; '.join(why)}: use the torch executor for this KV plan", key="executor")
                 from bpcompile.runtime.onnx_executor import OnnxExecutor
 
                 return OnnxExecutor(model, PagedKV(store, self.device), self.device, self.g_max, Path(graphs) / role)
@@ -142,6 +161,25 @@ class Generator:
         self.spec = SpeculativeStep(self.v_exec, self.d_exec, self.tree, backoff=backoff)
         self.outbox: list[StepOutput] = []
         self.tp, self.peers = 1, None  # from_engine sets them for a tensor-parallel engine
+        plans = [getattr(k.store, "plan", None) for k in (self.vkv, self.dkv) if k is not None]
+        # A plan's sink entries have exact copies that a reused page does not bring along; its recent window's
+        # copies are rewritten by the prompt's own tail (`_reuse_limit`).
+        if prefix_reuse is None:
+            prefix_reuse = all(p is None for p in plans)
+        self.prefix_reuse = (
+            prefix_reuse
+            and executor == "torch"
+            and all(p is None or not p.sink_tokens for p in plans)
+            # under the kernels a reused prompt's rest attends through them, which read no exact copies then
+            and all(k.kern is None or k.recent is None for k in (self.vkv, self.dkv) if k is not None)
+        )
+        self.window = max([p.recent_window for p in plans if p is not None and p.has_exact] or [0])
+        self._salts = {
+            role: f"{salt}|{role}|{type(k.store).__name__}|{getattr(k.store, 'dtype', '')}|{_plan_key(k.store)}".encode()
+            for role, k in (("verifier", self.vkv), ("draft", self.dkv))
+            if k is not None
+        }
+        self.prefix_stats = {"prompt_tokens": 0, "reused_tokens": 0, "requests": 0, "hits": 0}
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -277,6 +315,11 @@ class Generator:
                 graphs=d / "onnx",
             )
             if peers is not None:
+                # each rank's pages would need rank 0's reuse decisions: tp > 1 computes every prompt
+                prefix_reuse=False
+                if tp > 1
+                else {"auto": None}.get(cfg.runtime.prefix_reuse, cfg.runtime.prefix_reuse),
+                salt=_engine_salt(d),
                 peers.wait_ready()
         except BaseException:
             if peers is not None:
@@ -421,7 +464,69 @@ class Generator:
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        if any(r.params.context_logits for r in reqs):  # every prompt position's logits, not only the last
+        cached = any(starts)
+        if cached:
+            last = self.v_exec.prefill_cached(reqs, starts)
+        elif any(r.params.context_logits for r in reqs):  # every prompt position's logits, not only the last
+        if not self.prefix_reuse:
+            return self._prefill_group(reqs, [0] * len(reqs))
+        # Rounds: a prompt whose next uncached block another prompt of this round computes waits for the next
+        # round (same step), where it finds it cached: prompts admitted together share their prefix too.
+        outs, pending = [], reqs
+        while pending:
+            now, later, coming = [], [], set()
+            for r in pending:
+                hv = self.vkv.block_hashes(r.prompt, self._salts["verifier"])
+                hd = self.dkv.block_hashes(r.prompt, self._salts["draft"]) if self.dkv is not None else hv
+                pv = self.vkv.match(hv)
+                pd = self.dkv.match(hd) if self.dkv is not None else pv
+                n = min(len(pv), len(pd), self._reuse_limit(r))
+                if n < len(hv) and hv[n] in coming:
+                    later.append(r)
+                    continue
+                coming.update(hv[n:])
+                self.vkv.adopt(r.id, pv[:n])
+                if self.dkv is not None:
+                    self.dkv.adopt(r.id, pd[:n])
+                now.append((r, n * self.page_size, hv, hd))
+            full = [x for x in now if x[1] == 0]
+            cached = [x for x in now if x[1] > 0]
+            for group in (full, cached):
+                if group:
+                    outs += self._prefill_group([x[0] for x in group], [x[1] for x in group], group)
+            pending = later
+        return outs
+
+    def _reuse_limit(self, r: Request) -> int:
+        """Full pages of r's prompt it may take from the cache: at least one token is computed (its logits
+        pick the first output), the prompt's last `window` tokens are (their exact copies are the sequence's
+        own), and a request for every prompt position's logits computes them all."""
+        if r.params.context_logits:
+            return 0
+        return max(0, min(len(r.prompt) - 1, len(r.prompt) - self.window)) // self.page_size
+
+    def _publish(self, group: list) -> None:
+        """Cache the full prompt pages of a prefilled group; a feature draft's verifier pages keep their last
+        token's feature (the draft's row after a reused prefix reads it)."""
+        feats = self.spec.features and self.d_exec is not None
+        h = self.v_exec.hidden if feats else None
+        for b, (r, start, hv, hd) in enumerate(group):
+            aux = (lambda i, b=b, start=start: h[b, (i + 1) * self.page_size - 1 - start].clone()) if feats else None
+            self.vkv.publish(r.id, hv, aux)
+            if self.dkv is not None:
+                self.dkv.publish(r.id, hd)
+            self.prefix_stats["requests"] += 1
+            self.prefix_stats["prompt_tokens"] += len(r.prompt)
+            self.prefix_stats["reused_tokens"] += start
+            self.prefix_stats["hits"] += start > 0
+            r.stats.reused_tokens = start
+            r.stats.reused_blocks = start // self.page_size
+
+    def _prefill_group(
+        self, reqs: list[Request], starts: list[int], publish: Optional[list] = None
+    ) -> list[StepOutput]:
+        """Prefill prompts whose first starts[b] entries are cached (all 0: the plain prefill); publish: their
+        pages' block hashes (`_publish`), with prefix reuse."""
             full = self.v_exec.prefill(reqs, True, all_logits=True)
             for b, r in enumerate(reqs):
                 if r.params.context_logits:
@@ -444,10 +549,22 @@ class Generator:
             feats = None
             if self.spec.features:  # the row of prompt token i reads the verifier's feature at i - 1
                 h = self.v_exec.hidden
-                feats = torch.cat((h.new_zeros(h.shape[0], 1, h.shape[2]), h[:, :-1]), 1)
-                for b, r in enumerate(reqs):
-                    r.feats = h[b, len(r.prompt) - 1 : len(r.prompt)].clone()
-            self.d_exec.prefill(reqs, False, feats=feats)
+                if cached:  # the row after a reused prefix reads the feature its last page kept
+                    first_feat = torch.stack(
+                        [self.vkv.aux[self.vkv.tables[r.id][m // self.page_size - 1]] for r, m in zip(reqs, starts)]
+                    )
+                else:
+                    first_feat = h.new_zeros(h.shape[0], h.shape[2])
+                feats = torch.cat((first_feat[:, None].to(h.dtype), h[:, :-1]), 1)
+                for b, (r, m) in enumerate(zip(reqs, starts)):
+                    n = len(r.prompt) - m
+                    r.feats = h[b, n - 1 : n].clone()
+            if cached:
+                self.d_exec.prefill_cached(reqs, starts, False, feats=feats)
+            else:
+                self.d_exec.prefill(reqs, False, feats=feats)
+        if publish is not None:  # before a request that ends here releases its pages
+            self._publish(publish)
         t2 = time.perf_counter()
         outs = []
         for r, t in zip(reqs, first):

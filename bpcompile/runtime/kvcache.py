@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bpcompile.core.errors import UserError
+from bpcompile.core.kv_support import takes, unsupported
 
 
 class KVStore:
@@ -658,9 +659,35 @@ KLT_PRECISIONS = {
 # the basis in float16: its transpose must invert it closely (a systematic error there distorts every key alike:
 # INT8 rounding of it doubled SmolLM2's held-out KL), and half of float32's bytes count against the budget
 KLT_TABLE_DTYPES = {"bits": torch.int8, "basis": torch.float16}
-# the precisions the Triton kernels, the ONNX step graphs and the TensorRT plugin read: a plan with a unit of
-# another (INT6, INT3) runs on the PyTorch path (like a plan with exact entries)
-KERNEL_PRECISIONS = PRECISIONS[:4]
+
+
+def reader_precisions(reader: str) -> tuple[UnitPrecision, ...]:
+    """The precisions `reader` (bpcompile.core.kv_support.READERS) reads, in registry order: the pools its kernels,
+    graphs or plugin take, in their argument order."""
+    return tuple(p for p in PRECISIONS if takes(reader, p.name))
+
+
+def plan_features(plan: "KVPlan") -> dict[str, str]:
+    """The features (bpcompile.core.kv_support.SUPPORT) a plan is made of -> where each first occurs."""
+    if plan.format == "fp16":
+        return {"fp16": "kv_cache.format fp16"}
+    out = {}
+    for layer, p in enumerate(plan.precision):
+        for t in ("k", "v"):
+            for h, x in enumerate(p[t]):
+                out.setdefault(x, f"first: layer {layer} {t.upper()} head {h}")
+    if plan.has_exact:
+        out["exact"] = f"sink_tokens {plan.sink_tokens}, recent_window {plan.recent_window}"
+    if plan.rotation == "hadamard":
+        out["rotation"] = "rotation hadamard"
+    return out
+
+
+def plan_support(plan: "KVPlan", reader: str) -> list[str]:
+    """Why `reader` cannot run this plan, one reason per feature it does not take (empty: it can). The one question
+    every reader's caller asks (validation, the runtime's choice of attention path, the executors' refusals)."""
+    where = plan_features(plan)
+    return unsupported(where, reader, where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,13 +825,6 @@ class KVPlan:
     def has_klt(self) -> bool:
         """Whether some key units are stored as KLT coefficients before RoPE (their writes need positions)."""
         return any(x in KLT_PRECISIONS for p in self.precision for x in p["k"])
-
-    @property
-    def kernel_readable(self) -> bool:
-        """Whether every unit is of a precision the Triton kernels, the ONNX graphs and the TensorRT plugin read
-        (KERNEL_PRECISIONS); INT6 and INT3 units are read by the PyTorch path only."""
-        names = {p.name for p in KERNEL_PRECISIONS}
-        return all(x in names for p in self.precision for t in ("k", "v") for x in p[t])
 
     @property
     def has_exact(self) -> bool:
@@ -1035,10 +1055,15 @@ class QuantKVStore(KVStore):
                     hi = torch.tensor(heads, device=dev)
                     self._klt[layer] = (hi, *(t[n][layer, hi] for n in ("basis", "weight", "mean")))
         # what the kernels multiply dequantized keys by: with a transform the channel scale is folded into the
-        # query instead (kernel_query), and the kernels see ones
+        # query instead (kernel_query), and the kernels see ones; so do KLT key units (their keys come back whole)
         self.kernel_k_channel_scale = (
             torch.ones_like(self.k_channel_scale) if self.transformed else self.k_channel_scale
         )
+        if self._klt and not self.transformed:
+            self.kernel_k_channel_scale = self.kernel_k_channel_scale.clone()
+            for layer, (heads, *_) in self._klt.items():
+                self.kernel_k_channel_scale[layer, heads] = 1.0
+        self._kernel_tables: dict = {}
         # layer -> [(precision, unit ids on the stacked K|V axis (kv * KV + head), pool indices, INT4 clip)]:
         # write/read handle K and V of a layer together, one gather per precision (small ops dominate on CPU)
         self._groups = {}
@@ -1099,18 +1124,73 @@ class QuantKVStore(KVStore):
         )
 
     def pools(self, precisions=PRECISIONS) -> list[torch.Tensor]:
-        """Payload and scale pool of each of `precisions` (default: all), in registry order. The kernels, the ONNX
-        graphs and the plugin take those of KERNEL_PRECISIONS, in that order."""
+        """Payload and scale pool of each of `precisions` (default: all), in registry order. A reader's kernels,
+        graphs or plugin take those of `reader_precisions(reader)`, in that order."""
         return [t for prec in precisions for t in (self.payload[prec.code], self.scales[prec.code])]
 
-    def kernel_pools(self) -> list[torch.Tensor]:
-        """The pools the kernels, the ONNX graphs and the plugin take: those of KERNEL_PRECISIONS, in order."""
-        return self.pools(KERNEL_PRECISIONS)
+    def reader_pools(self, reader: str) -> list[torch.Tensor]:
+        """The pools `reader`'s kernels, graphs or plugin take (those of reader_precisions(reader)), in order."""
+        return self.pools(reader_precisions(reader))
 
-    @property
-    def kernel_readable(self) -> bool:
-        """Whether every unit is of a precision the kernels, the ONNX graphs and the plugin read."""
-        return self.plan.kernel_readable
+    def support(self, reader: str) -> list[str]:
+        """plan_support(self.plan, reader): why `reader` cannot read this cache (empty: it can)."""
+        return plan_support(self.plan, reader)
+
+    def kernel_transform(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions=None):
+        """What a quantize kernel codes for k, v [N, KV, D] written at slots [N]: §3 step 1, with KLT key units as
+        their coefficients (the slots' positions are recorded first, as write() does); k, v as they are for a plan
+        without a transform."""
+        if self.positions is not None:
+            p, o = self._split(slots)
+            kv = self._transform(layer, k, v, self._positions(p, o, positions))
+            return kv[:, : self.num_kv_heads], kv[:, self.num_kv_heads :]
+        return self.transform(layer, k, v) if self.transformed else (k, v)
+
+    def kernel_klt(self) -> tuple[torch.Tensor, ...]:
+        """The KLT tables as the kernels read them: (slot positions [P, S] int32, per key unit bits and bit-stream
+        offsets [L, KV, D] int32, steps, levels, weights, means [L, KV, D] float32, basis [L, KV, D, D] float32,
+        inverse frequencies [D/2] float32); one-element placeholders for a plan without KLT units."""
+        if "klt" not in self._kernel_tables:
+            dev = self.unit_precision.device
+            if self.positions is None:
+                z, zi = torch.zeros(1, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+                self._kernel_tables["klt"] = (zi, zi, zi, z, z, z, z, z, z)
+            else:
+                t = {n: x.to(dev) for n, x in self.plan.klt.items()}
+                bits = t["bits"].to(torch.int32).contiguous()
+                f = lambda n: t[n].float().contiguous()  # noqa: E731
+                self._kernel_tables["klt"] = (
+                    self.positions,
+                    bits,
+                    (bits.cumsum(-1, dtype=torch.int32) - bits).contiguous(),
+                    f("step"),
+                    f("level"),
+                    f("basis"),
+                    f("weight"),
+                    f("mean"),
+                    f("inv_freq"),
+                )
+        tables = self._kernel_tables["klt"]
+        return (self.positions, *tables[1:]) if self.positions is not None else tables
+
+    def kernel_exact_maps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How kernels that attend in the stored basis (kernel_query) read an exact FP16 copy k, v: k @ Mk + bk and
+        v @ Mv, so that q'·k' = q·(k - k_mean) as for the codes. (Mk [L, KV, D, D] = diag(1/c) @ H, bk [L, KV, D]
+        = -(k_mean / c) @ H, Mv [D, D] = H; H the identity without rotation; KLT key units: Mk = I, bk = 0, their
+        queries are the model's.)"""
+        if "exact" not in self._kernel_tables:
+            L, KV, D = self.num_layers, self.num_kv_heads, self.head_size
+            dev = self.unit_precision.device
+            H = self._H if self._H is not None else torch.eye(D, device=dev)
+            c = self.k_channel_scale if self._has_kcs else torch.ones(L, KV, D, device=dev)
+            m = self.k_mean if self.k_mean is not None else torch.zeros(L, KV, D, device=dev)
+            mk = (1.0 / c)[..., :, None] * H
+            bk = -(m / c) @ H
+            for layer, (heads, *_) in self._klt.items():
+                mk[layer, heads] = torch.eye(D, device=dev)
+                bk[layer, heads] = 0.0
+            self._kernel_tables["exact"] = (mk.contiguous(), bk.contiguous(), H.contiguous())
+        return self._kernel_tables["exact"]
 
     def _split(self, slots):
         return slots // self.page_size, slots % self.page_size
@@ -1185,10 +1265,15 @@ class QuantKVStore(KVStore):
         Then q'·k' = q·(k - k_mean) (H is orthonormal and symmetric), which differs from q·k by a constant per
         query that softmax ignores; the attention output comes back rotated (kernel_output)."""
         H, KV = q.shape[-2], self.num_kv_heads
-        q = q.float()
+        raw = q = q.float()
         if self._has_kcs:
             q = q * self.k_channel_scale[layer].repeat_interleave(H // KV, dim=0)
-        return q @ self._H if self._H is not None else q
+        q = q @ self._H if self._H is not None else q
+        if layer in self._klt:  # KLT key units: the kernels rebuild the model's keys, so their queries stay the model's
+            klt = torch.zeros(KV, dtype=torch.bool, device=q.device)
+            klt[self._klt[layer][0]] = True
+            q = torch.where(klt.repeat_interleave(H // KV)[:, None], raw, q)
+        return q
 
     def kernel_output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output over the transformed V [..., D] -> the model's: out @ H (H is its own inverse)."""

@@ -20,7 +20,7 @@ from bpcompile.core.errors import MissingDependency, UserError
 from bpcompile.kernels.tree_mask import pack_rows
 from bpcompile.runtime import plugin_ops as ops
 from bpcompile.runtime.executor import Executor
-from bpcompile.runtime.kvcache import KERNEL_PRECISIONS
+from bpcompile.runtime.kvcache import plan_support, reader_precisions
 from bpcompile.runtime.model import Llama
 from bpcompile.runtime.paged_kv import PagedKV
 from bpcompile.runtime.request import Request
@@ -84,7 +84,7 @@ def _register_all() -> None:
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     pools = [
         p.payload_dtype if part == "payload" else torch.float16
-        for p in KERNEL_PRECISIONS
+        for p in reader_precisions("onnxruntime")
         for part in ("payload", "scales")
     ]
     tables = [torch.int8, i32, f32, f32]  # unit_precision, unit_index, k_channel_scale, int4_clip
@@ -163,12 +163,9 @@ class OnnxExecutor(Executor):
             )
         if kv.dense is not None:
             raise ValueError("the onnxruntime executor reads the paged store, not a dense copy")
-        if ops.is_quantized(kv.store) and not kv.store.kernel_readable:
-            raise UserError(
-                "the ONNX step graphs read INT4/FP8/INT8/INT5 units; this KV plan has INT6, INT3 or KLT "
-                "units, which the torch executor reads (kv_cache: int6_keys / int3_values / key_transform)",
-                key="executor",
-            )
+        why = plan_support(kv.store.plan, "onnxruntime") if ops.is_quantized(kv.store) else []
+        if why:
+            raise UserError(f"{'; '.join(why)}: use the torch executor for this KV plan", key="executor")
         _register_all()
         rename = _renames(kv.store)
         self.prefill_sess = _session(Path(graphs) / "prefill.onnx", rename)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import sys
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -178,36 +181,149 @@ class PagedKV:
     def __init__(
         self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None, recent: Optional[RecentKV] = None
     ):
-        if recent is not None and dense is None:
-            raise ValueError("exact entries (RecentKV) are read by the DenseKV attention path")
+        self.kern = kernels_for(store, torch.device(device))
+        if recent is not None and dense is None and self.kern is None:
+            raise ValueError("exact entries (RecentKV) are read by the DenseKV attention path or the kernels")
         self.store, self.ps, self.recent = store, store.page_size, recent
         self.free = list(range(store.num_pages - 1, 0, -1))  # pop() hands out low page ids first
         self.tables: dict[str, list[int]] = {}
-        self.kern = kernels_for(store, torch.device(device))
         self.dense = dense if self.kern is None else None
-        self.rows: dict[str, int] = {}  # dense row per sequence
+        self.rows: dict[str, int] = {}  # dense (or, under the kernels, RecentKV) row per sequence
+        self._free_rows = list(range(recent.rows - 1, -1, -1)) if recent is not None else []
+        # Prefix reuse (vLLM's automatic prefix caching, over these pages): a full page of a prompt is published
+        # under its block hash (`block_hashes`); pages are shared by reference count; a published page nobody
+        # references stays cached in `lru` (least recently used first) until a new page is needed.
+        self.refs: dict[int, int] = {}  # page -> sequences whose table holds it (pages of a table only)
+        self.cached: dict[bytes, int] = {}  # block hash -> page
+        self.hash_of: dict[int, bytes] = {}  # page -> its block hash (published pages only)
+        self.aux: dict[int, torch.Tensor] = {}  # page -> what a reader needs besides K/V (a verifier's feature)
+        # page -> its entries as the dense view holds them (k, v [L, KV, page, D]): a sequence that adopts the
+        # page copies them instead of dequantizing the page again (which costs a quantized plan's CPU path about
+        # as much as computing the tokens); host-side copies like the dense view itself, not bytes of record
+        self.dense_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # published pages with no reference, oldest first
+        self.evicted = 0  # published pages dropped to make room
         self._pending: Optional[list] = None  # inside batched_writes: each layer's write, for the end of the forward
 
     @property
     def capacity(self) -> int:
         return self.store.num_pages - 1
+    def available(self) -> int:
+        """Pages a new allocation can take: free ones and cached ones nobody references."""
+        return len(self.free) + len(self.lru)
+
+    def _new_page(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        else:  # the least recently used cached page: its block is forgotten (a later prompt recomputes it)
+            page, _ = self.lru.popitem(last=False)
+            del self.cached[self.hash_of.pop(page)]
+            self.aux.pop(page, None)
+            self.dense_pages.pop(page, None)
+            self.evicted += 1
+        self.refs[page] = 1
+        return page
+
+    def _drop(self, page: int) -> None:
+        n = self.refs.pop(page) - 1
+        if n > 0:
+            self.refs[page] = n
+        elif page in self.hash_of:
+            self.lru[page] = None
+        else:
+            self.free.append(page)
+
 
     def ensure(self, rid: str, n_tokens: int) -> None:
         table = self.tables.setdefault(rid, [])
         need = -(-n_tokens // self.ps)
-        if need - len(table) > len(self.free):
-            raise RuntimeError(f"KV cache out of pages ({len(self.free)} free, {need - len(table)} needed)")
+        if need - len(table) > self.available():
+            raise RuntimeError(f"KV cache out of pages ({self.available()} free, {need - len(table)} needed)")
         while len(table) < need:
-            table.append(self.free.pop())
+            table.append(self._new_page())
         if self.dense is not None:
             if rid not in self.rows:
                 self.rows[rid] = self.dense.free.pop()
             self.dense.reserve(n_tokens)
+        elif self.recent is not None and rid not in self.rows:  # the kernels read the exact copies of this row
+            self.rows[rid] = self._free_rows.pop()
 
     def truncate(self, rid: str, n_tokens: int) -> None:
         table = self.tables.get(rid, [])
         keep = -(-n_tokens // self.ps)
-        self.free.extend(reversed(table[keep:]))
+        for page in reversed(table[keep:]):
+    # --- prefix reuse --------------------------------------------------------------------------------------
+
+    def block_hashes(self, tokens: list[int], salt: bytes) -> list[bytes]:
+        """The hash of each full page of tokens: chained (a page's hash covers every token before it), salted
+        with what else makes a page's bytes differ (engine, KV plan, model role)."""
+        out, h = [], hashlib.sha256(salt).digest()
+        for i in range(len(tokens) // self.ps):
+            h = hashlib.sha256(h + array("q", tokens[i * self.ps : (i + 1) * self.ps]).tobytes()).digest()
+            out.append(h)
+        return out
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """Pages cached for the leading hashes (stops at the first miss)."""
+        pages = []
+        for h in hashes:
+            page = self.cached.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def adopt(self, rid: str, pages: list[int]) -> None:
+        """A new sequence starts with these cached pages (its first len(pages) * page_size entries): referenced,
+        not evictable while it holds them; its dense view row gets what the store holds for them."""
+        assert not self.tables.get(rid), "adopt() starts a sequence"
+        for page in pages:
+            self.lru.pop(page, None)
+            self.refs[page] = self.refs.get(page, 0) + 1
+        self.tables[rid] = list(pages)
+        if self.dense is not None and pages:
+            self.ensure(rid, len(pages) * self.ps)
+            n = len(pages) * self.ps
+            slots = torch.tensor(pages, device=self.dense.device)[:, None] * self.ps + torch.arange(
+                self.ps, device=self.dense.device
+            )
+            slots = slots.reshape(-1)
+            row = self.rows[rid]
+            if all(p in self.dense_pages for p in pages):
+                self.dense.k[:, row, :, :n] = torch.cat([self.dense_pages[p][0] for p in pages], 2)
+                self.dense.v[:, row, :, :n] = torch.cat([self.dense_pages[p][1] for p in pages], 2)
+                return
+            for layer in range(self.store.num_layers):
+                k, v = self.store.read(layer, slots)
+                self.dense.k[layer, row, :, :n] = k.transpose(0, 1).to(self.dense.dtype)
+                self.dense.v[layer, row, :, :n] = v.transpose(0, 1).to(self.dense.dtype)
+
+    def publish(self, rid: str, hashes: list[bytes], aux: Optional[Callable[[int], torch.Tensor]] = None) -> None:
+        """The sequence's first len(hashes) pages hold those blocks (written, never written again): cache them.
+        A block already cached under another page stays private to this sequence. aux(i): what to keep with
+        block i (see `aux`)."""
+        table = self.tables[rid]
+        for i, h in enumerate(hashes):
+            page = table[i]
+            if h in self.cached or page in self.hash_of:
+                continue
+            self.cached[h] = page
+            self.hash_of[page] = h
+            if aux is not None:
+                self.aux[page] = aux(i)
+            if self.dense is not None:
+                row, at = self.rows[rid], slice(i * self.ps, (i + 1) * self.ps)
+                self.dense_pages[page] = (self.dense.k[:, row, :, at].clone(), self.dense.v[:, row, :, at].clone())
+
+    def held_pages(self) -> int:
+        """Pages some sequence references (shared ones once)."""
+        return len(self.refs)
+
+    def dense_pages_nbytes(self) -> int:
+        """Bytes of the cached pages' dense copies (`dense_pages`)."""
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.dense_pages.values())
+
+            self._drop(page)
         del table[keep:]
 
     def release(self, rid: str) -> None:
@@ -215,7 +331,7 @@ class PagedKV:
         self.tables.pop(rid, None)
         row = self.rows.pop(rid, None)
         if row is not None:
-            self.dense.free.append(row)
+            (self.dense.free if self.dense is not None else self._free_rows).append(row)
 
     def slot(self, rid: str, i: int) -> int:
         return self.tables[rid][i // self.ps] * self.ps + i % self.ps
@@ -338,6 +454,9 @@ class AttnBatch:
     tree_mask: Optional[torch.Tensor]  # [B, T, W] int32 packed, or None
     page_size: int
     _plan: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # a plan's exact entries where the kernels attend: (RecentKV, each sequence's row there [B], its query rows'
+    # positions [B, T], its tree entries' positions [B, max tree]) (kernels.paged.paged_attention's `exact`)
+    exact: Optional[tuple] = None
 
     def plan(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [B, N] int64, visible [B, T, N] bool), computed once per forward (few ops: tiny models are
@@ -396,56 +515,31 @@ def kernels_for(store: KVStore, device: torch.device):
     mode = os.environ.get("BPCOMPILE_KERNELS", "auto")
     if mode == "torch":
         return None
-    from bpcompile.runtime.kvcache import QuantKVStore
+    from bpcompile.runtime.kvcache import QuantKVStore, plan_support
 
-    if isinstance(store, QuantKVStore) and mode != "triton" and device.type == "cuda":
-        from bpcompile.kernels.shapes import check_shape
+    if not isinstance(store, QuantKVStore) or not (mode == "triton" or device.type == "cuda"):
+        return None
+    from bpcompile.kernels.shapes import check_shape
 
-        why = (
-            "exact (sink / recent-window) entries"
-            if store.plan.has_exact
-            else "INT6, INT3 or KLT units"
-            if not store.kernel_readable
-            else check_shape(store.head_size, store.G)
+    why = plan_support(store.plan, "triton") + [w for w in (check_shape(store.head_size, store.G),) if w]
+    if why and mode != "triton" and device.type == "cuda":
+        raise UserError(
+            f"on CUDA the Triton kernels are the attention, and they cannot read this KV plan ({'; '.join(why)}); "
+            "rebuild with runtime.device cuda (bpcompile validate names what to change), run with --device "
+            "cpu, or set BPCOMPILE_KERNELS=torch for the PyTorch attention path",
+            key="kv_cache",
         )
-        if why:
-            raise UserError(
-                f"on CUDA the Triton kernels are the attention, and they cannot read this KV plan ({why}); "
-                "rebuild with runtime.device cuda (bpcompile validate names what to change), run with --device "
-                "cpu, or set BPCOMPILE_KERNELS=torch for the PyTorch attention path",
-                key="kv_cache",
-            )
-    if isinstance(store, QuantKVStore) and (mode == "triton" or device.type == "cuda"):
-        if store.plan.has_exact:
-            _warn_once("the Triton kernels do not read exact (sink / recent-window) entries; using the PyTorch path")
-            return None
-        if not store.kernel_readable:
-            _warn_once("the Triton kernels do not read INT6, INT3 or KLT units; using the PyTorch path")
-            return None
-        from bpcompile.kernels import paged as kernels
+    if why:
+        _warn_once(f"{'; '.join(why)}; using the PyTorch path")
+        return None
+    from bpcompile.kernels import paged as kernels
 
-        if _kernels_take(store.head_size, store.G):
-            return kernels
-    return None
+    return kernels
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(msg: str) -> None:
     print(f"bpcompile: warning: {msg}", file=sys.stderr)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels_take(head_size: int, group_size: int) -> bool:
-    """Whether the kernels handle this cache shape; warns once per shape when they don't (the PyTorch path runs)."""
-    from bpcompile.kernels.shapes import check_shape
-
-    why = check_shape(head_size, group_size)
-    if why is not None:
-        print(
-            f"bpcompile: warning: Triton kernels cannot take this KV cache ({why}); using the PyTorch path",
-            file=sys.stderr,
-        )
-    return why is None
 
 
 def write_kv(
@@ -459,10 +553,10 @@ def write_kv(
 ) -> None:
     """Quantize-and-append k, v [N, KV, D] at flat slots [N]: the store's oracle, or the kernel (kern: the
     kernels module or None as resolved by kernels_for; False: resolve here). positions [N]: the tokens' RoPE
-    positions, which a plan with KLT key units needs (the kernels do not read such plans)."""
+    positions, which a plan with KLT key units needs."""
     kern = kernels_for(store, k.device) if kern is False else kern
     if kern:
-        kern.quantize_append(store, layer, slots, k, v)
+        kern.quantize_append(store, layer, slots, k, v, positions)
     else:
         store.write(layer, slots, k, v, positions)
 
@@ -493,6 +587,7 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
             batch.tree_lens,
             D**-0.5,
             q_lens=batch.q_lens,
+            exact=batch.exact,
         )
     k, v, visible = batch.gather(store, layer, q)
     kv = k.shape[1]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from bpcompile.runtime.kvcache import BY_CODE, KERNEL_PRECISIONS, FloatKVStore, KVPlan, QuantKVStore
+from bpcompile.runtime.kvcache import BY_CODE, FloatKVStore, KVPlan, QuantKVStore, reader_precisions
 from bpcompile.runtime.paged_kv import AttnBatch, dense_attention
 
 DOMAIN = "ai.onnx.contrib"  # where ONNX Runtime's Python custom ops resolve; TensorRT matches on op type
@@ -39,7 +39,8 @@ FLOAT_FIELDS = {"sm_scale"}
 # Graph inputs after the op's own (k, v, slots / q and the attention metadata): the quantized cache's pools
 # (payload and fp16 scales per precision the graphs read, registry order) and its unit tables; the float cache's
 # K and V pools.
-QUANT_POOLS = tuple(f"{p.name}_{part}" for p in KERNEL_PRECISIONS for part in ("payload", "scales"))
+GRAPH_PRECISIONS = reader_precisions("onnxruntime")  # the TensorRT network is built from the same graphs
+QUANT_POOLS = tuple(f"{p.name}_{part}" for p in GRAPH_PRECISIONS for part in ("payload", "scales"))
 QUANT_TABLES = ("unit_precision", "unit_index", "k_channel_scale")  # + int4_clip for the append
 FLOAT_POOLS = ("k_pool", "v_pool")
 ATTENTION_META = ("block_tables", "context_lens", "tree_lens", "q_lens", "tree_mask")
@@ -51,7 +52,7 @@ def is_quantized(store) -> bool:
 
 def pools_of(store) -> list[torch.Tensor]:
     """The store's pools as the graphs take them (a store's tensors themselves: binding them costs nothing)."""
-    return store.kernel_pools() if is_quantized(store) else [store.k, store.v]
+    return store.reader_pools("onnxruntime") if is_quantized(store) else [store.k, store.v]
 
 
 def pool_names(store) -> tuple[str, ...]:
@@ -107,7 +108,7 @@ def _quant_view(
         )
         store = _VIEWS[key] = QuantKVStore(plan, 0, page_size, dtype=dtype)
     store.num_pages = pools[0].shape[0]
-    for i, prec in enumerate(KERNEL_PRECISIONS):
+    for i, prec in enumerate(GRAPH_PRECISIONS):
         store.payload[prec.code], store.scales[prec.code] = pools[2 * i], pools[2 * i + 1]
     return store
 

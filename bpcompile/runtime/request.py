@@ -44,6 +44,8 @@ class RequestStats:
     verify_s: float = 0.0
     bookkeeping_s: float = 0.0
     committed: int = 0  # tokens committed by verifier steps (tau's numerator; may exceed `tokens` at a stop)
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
+    reused_blocks: int = 0  # the KV pages (blocks) they fill
 
 
 @dataclass

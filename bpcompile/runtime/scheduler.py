@@ -2,7 +2,9 @@
 
 FIFO into a running batch of at most max_batch_size requests. A request's worst-case KV pages (prompt +
 max_tokens + one tree) are reserved when it is admitted, so a running request never runs out of cache and
-nothing is ever preempted; a request that does not fit waits until others finish."""
+nothing is ever preempted; a request that does not fit waits until others finish. Pages a request shares with
+others (prefix reuse, `PagedKV`) count in its reservation as if they were its own: what running requests
+reference never exceeds what they reserved, so a new page is always free or a cached one nobody references."""
 
 from __future__ import annotations
 

@@ -90,6 +90,7 @@ class _Collector:
         "tokens_per_step",
         "verifier_steps",
         "engine_version",
+        "cached_tokens",
         "finish_reason",
     )
 

@@ -235,6 +235,7 @@ STATS = [  # generator -> postprocessing -> client, unchanged; the first three a
     ("tokens_per_step", T.TYPE_FP32),
     ("verifier_steps", T.TYPE_INT32),
     ("engine_version", T.TYPE_INT32),
+    ("cached_tokens", T.TYPE_INT32),  # prompt tokens whose KV came from the prefix cache (OpenAI's usage name)
 ]
 
 

@@ -308,6 +308,8 @@ class OpenAIFrontend:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": res["tokens"],
             "total_tokens": prompt_tokens + res["tokens"],
+            # prompt tokens the server took from its KV prefix cache instead of computing them
+            "prompt_tokens_details": {"cached_tokens": int(res.get("cached_tokens") or 0)},
         }
         fingerprint = f"{self.model_id}-v{res.get('engine_version')}"
         if p["stream"]:

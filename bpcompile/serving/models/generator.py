@@ -28,7 +28,8 @@ ensemble; their cancellation and disconnects then reach this loop.
 
 Metrics (tritonserver's /metrics, labelled with version and instance): bpcompile_generator_steps_total,
 bpcompile_generator_requests (in the batch or queued for it), bpcompile_generator_cancelled_total,
-bpcompile_generator_kv_pages_used. Each cancellation is also logged with the generator step it was seen at.
+bpcompile_generator_kv_pages_used, bpcompile_generator_prefix_hit_rate (prompt tokens taken from the prefix
+cache / prompt tokens admitted). Each cancellation is also logged with the generator step it was seen at.
 """
 import json
 import time
@@ -76,7 +77,9 @@ class _TritonLoop(InflightLoop):
         m.add("steps", self.steps - self.counted)
         self.counted = self.steps
         m.set("requests", len(self.running))
-        m.set("kv_pages", self.gen.vkv.capacity - len(self.gen.vkv.free))
+        m.set("kv_pages", self.gen.vkv.held_pages())
+        ps = self.gen.prefix_stats
+        m.set("prefix_hit_rate", ps["reused_tokens"] / ps["prompt_tokens"] if ps["prompt_tokens"] else 0.0)
 
     def on_output(self, job: _Job, o) -> None:
         if o.new_tokens:
@@ -115,7 +118,9 @@ class _Metrics:
     SPEC = {"steps": ("bpcompile_generator_steps_total", "generation steps run (one batched draft+verify each)"),
             "cancelled": ("bpcompile_generator_cancelled_total", "requests cancelled by their client"),
             "requests": ("bpcompile_generator_requests", "requests in the generator's batch or queued for it"),
-            "kv_pages": ("bpcompile_generator_kv_pages_used", "verifier KV cache pages held by requests")}
+            "kv_pages": ("bpcompile_generator_kv_pages_used", "verifier KV cache pages held by requests"),
+            "prefix_hit_rate": ("bpcompile_generator_prefix_hit_rate",
+                                "share of the prompt tokens admitted whose KV came from the prefix cache")}
 
     def __init__(self, labels: dict):
         self.families, self.metrics, self.last = [], {}, {}
@@ -307,8 +312,10 @@ class TritonPythonModel:
 
             rows = torch.cat(job.generation_logits)[start:len(job.out)]
             outs.append(pb_utils.Tensor("generation_logits", rows.numpy()[None, None]))
-        if job.perf:  # no prefix reuse: every block of the request's reservation is newly allocated
-            outs += [t("kv_cache_alloc_new_blocks", [job.pages], np.int32), t("kv_cache_reused_blocks", [0], np.int32),
+        if job.perf:  # reused: prompt pages taken from the prefix cache; new: the rest of the reservation
+            reused = int(getattr(s, "reused_blocks", 0) or 0)
+            outs += [t("kv_cache_alloc_new_blocks", [job.pages - reused], np.int32),
+                     t("kv_cache_reused_blocks", [reused], np.int32),
                      t("kv_cache_alloc_total_blocks", [job.pages], np.int32),
                      t("arrival_time_ns", [job.arrival_ns], np.int64),
                      t("first_scheduled_time_ns", [job.admitted_ns], np.int64),
@@ -324,6 +331,7 @@ class TritonPythonModel:
             t("tokens_per_step", [tau], np.float32),
             t("verifier_steps", [steps], np.int32),
             t("engine_version", [self.engine_version], np.int32),
+            t("cached_tokens", [int(getattr(s, "reused_tokens", 0) or 0)], np.int32),
         ])
         job.index += 1
         job.sent = len(job.out)

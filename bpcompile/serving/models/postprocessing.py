@@ -19,7 +19,7 @@ from bpcompile.serving.drain import Instance
 from bpcompile.serving.protocol import answer_each, delta_text
 
 PASS_THROUGH = ["RESPONSE_INDEX", "FINISH_REASON", "acceptance_rate", "total_accepted_draft_tokens",
-                "total_draft_tokens", "tokens_per_step", "verifier_steps", "engine_version"]
+                "total_draft_tokens", "tokens_per_step", "verifier_steps", "engine_version", "cached_tokens"]
 
 
 class TritonPythonModel:

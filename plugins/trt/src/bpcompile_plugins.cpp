@@ -277,7 +277,7 @@ public:
         CUresult r = bp_quantize_append_launch(reinterpret_cast<CUstream>(stream), (n + BP_QUANT_BLOCK_T - 1) / BP_QUANT_BLOCK_T,
             2 * kvh, 1, ptr(inputs[0]), ptr(inputs[1]), kvh * d, d, kvh * d, d, ptr(inputs[2]), n,
             BP_KV_POOL_ARGS(BP_OUT_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),
-            ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[kFIRST_POOL + kNUM_POOLS]), mF.get("layer"), kvh);
+            ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[kFIRST_POOL + kNUM_POOLS]), mF.get("layer"), kvh, BP_QUANT_EXTRA_ARGS);
         return r == CUDA_SUCCESS ? 0 : -1;
     }
 };
@@ -375,7 +375,7 @@ public:
     ptr(inputs[0]), sg, sq, D, ptr(outputs[0]), sg, sq, D, partAcc, partMl, nrows,                            \
         BP_KV_POOL_ARGS(BP_POOL_PTR, BP_POOL_UNITS), ptr(p[kUNIT_PRECISION]), ptr(p[kUNIT_INDEX]),           \
         ptr(p[kK_CHANNEL_SCALE]), ptr(inputs[1]), maxPages, ptr(inputs[2]), ptr(inputs[5]), ptr(inputs[3]),    \
-        ptr(inputs[4]), mF.get("layer"), kvh, G, W, scaleBits, chunk
+        ptr(inputs[4]), mF.get("layer"), kvh, G, W, scaleBits, chunk, BP_ATTN_EXTRA_ARGS
         unsigned const gx = static_cast<unsigned>(B * kvh), gy = static_cast<unsigned>(splits);
         unsigned const gz = static_cast<unsigned>(mBlocks);
         if (splits == 1)
