@@ -113,6 +113,7 @@ class Executor:
 
         with kv.batched_writes(own_exact=True):
             return self._model(tok, None, attend, feats, last_only=last_only)
+
     def prefill_cached(
         self, reqs: list[Request], starts: list[int], last_logits: bool = True, feats: Optional[torch.Tensor] = None
     ) -> Optional[torch.Tensor]:
@@ -193,7 +194,6 @@ class Executor:
 
         with kv.batched_writes(own_exact=True):
             return self._model(tok, pos, attend, feats, last_only=last_only)
-
 
     def _model(self, tok, pos, attend, feats, last_only: bool = False, rows=None) -> torch.Tensor:
         """The model's logits; its final hidden states go to self.hidden where it reads or feeds features."""

@@ -54,6 +54,7 @@ from bpcompile.runtime.speculative_step import SpeculativeStep
 
 __all__ = ["Generator", "SamplingParams", "StepOutput", "RequestStats", "TreeSpec"]
 
+
 def _engine_salt(d: Path) -> str:
     """What names an engine version in its pages' block hashes: its directory and its manifest's digest."""
     m = d / "manifest.json"
@@ -64,7 +65,6 @@ def _plan_key(store) -> str:
     """A store's KV plan as text, for block hashes (its tensors are the engine's, which the salt names)."""
     plan = getattr(store, "plan", None)
     return "" if plan is None else json.dumps(plan.to_json(), sort_keys=True, default=str)
-
 
 
 class Generator:
@@ -89,9 +89,9 @@ class Generator:
         dense_kv: bool = True,
         backoff: bool = True,
         executor: str = "torch",
+        graphs: Optional[str | Path] = None,
         prefix_reuse: Optional[bool] = None,
         salt: str = "",
-        graphs: Optional[str | Path] = None,
     ):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
         plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
@@ -159,8 +159,6 @@ class Generator:
         self.dkv = self.d_exec.kv if self.d_exec is not None else None
         self.scheduler = Scheduler(max_batch_size, self.vkv.capacity)
         self.spec = SpeculativeStep(self.v_exec, self.d_exec, self.tree, backoff=backoff)
-        self.outbox: list[StepOutput] = []
-        self.tp, self.peers = 1, None  # from_engine sets them for a tensor-parallel engine
         plans = [getattr(k.store, "plan", None) for k in (self.vkv, self.dkv) if k is not None]
         # A plan's sink entries have exact copies that a reused page does not bring along; its recent window's
         # copies are rewritten by the prompt's own tail (`_reuse_limit`).
@@ -180,6 +178,8 @@ class Generator:
             if k is not None
         }
         self.prefix_stats = {"prompt_tokens": 0, "reused_tokens": 0, "requests": 0, "hits": 0}
+        self.outbox: list[StepOutput] = []
+        self.tp, self.peers = 1, None  # from_engine sets them for a tensor-parallel engine
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -313,13 +313,13 @@ class Generator:
                 backoff=spec.backoff,
                 executor=executor,
                 graphs=d / "onnx",
-            )
-            if peers is not None:
                 # each rank's pages would need rank 0's reuse decisions: tp > 1 computes every prompt
                 prefix_reuse=False
                 if tp > 1
                 else {"auto": None}.get(cfg.runtime.prefix_reuse, cfg.runtime.prefix_reuse),
                 salt=_engine_salt(d),
+            )
+            if peers is not None:
                 peers.wait_ready()
         except BaseException:
             if peers is not None:
@@ -463,11 +463,6 @@ class Generator:
         return sample(r.sampling.probs(row), r.sampling.rng)[0]
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        t0 = time.perf_counter()
-        cached = any(starts)
-        if cached:
-            last = self.v_exec.prefill_cached(reqs, starts)
-        elif any(r.params.context_logits for r in reqs):  # every prompt position's logits, not only the last
         if not self.prefix_reuse:
             return self._prefill_group(reqs, [0] * len(reqs))
         # Rounds: a prompt whose next uncached block another prompt of this round computes waits for the next
@@ -527,6 +522,11 @@ class Generator:
     ) -> list[StepOutput]:
         """Prefill prompts whose first starts[b] entries are cached (all 0: the plain prefill); publish: their
         pages' block hashes (`_publish`), with prefix reuse."""
+        t0 = time.perf_counter()
+        cached = any(starts)
+        if cached:
+            last = self.v_exec.prefill_cached(reqs, starts)
+        elif any(r.params.context_logits for r in reqs):  # every prompt position's logits, not only the last
             full = self.v_exec.prefill(reqs, True, all_logits=True)
             for b, r in enumerate(reqs):
                 if r.params.context_logits:

@@ -190,6 +190,7 @@ class PagedKV:
         self.dense = dense if self.kern is None else None
         self.rows: dict[str, int] = {}  # dense (or, under the kernels, RecentKV) row per sequence
         self._free_rows = list(range(recent.rows - 1, -1, -1)) if recent is not None else []
+        self._pending: Optional[list] = None  # inside batched_writes: each layer's write, for the end of the forward
         # Prefix reuse (vLLM's automatic prefix caching, over these pages): a full page of a prompt is published
         # under its block hash (`block_hashes`); pages are shared by reference count; a published page nobody
         # references stays cached in `lru` (least recently used first) until a new page is needed.
@@ -203,11 +204,11 @@ class PagedKV:
         self.dense_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # published pages with no reference, oldest first
         self.evicted = 0  # published pages dropped to make room
-        self._pending: Optional[list] = None  # inside batched_writes: each layer's write, for the end of the forward
 
     @property
     def capacity(self) -> int:
         return self.store.num_pages - 1
+
     def available(self) -> int:
         """Pages a new allocation can take: free ones and cached ones nobody references."""
         return len(self.free) + len(self.lru)
@@ -233,7 +234,6 @@ class PagedKV:
         else:
             self.free.append(page)
 
-
     def ensure(self, rid: str, n_tokens: int) -> None:
         table = self.tables.setdefault(rid, [])
         need = -(-n_tokens // self.ps)
@@ -252,6 +252,9 @@ class PagedKV:
         table = self.tables.get(rid, [])
         keep = -(-n_tokens // self.ps)
         for page in reversed(table[keep:]):
+            self._drop(page)
+        del table[keep:]
+
     # --- prefix reuse --------------------------------------------------------------------------------------
 
     def block_hashes(self, tokens: list[int], salt: bytes) -> list[bytes]:
@@ -322,9 +325,6 @@ class PagedKV:
     def dense_pages_nbytes(self) -> int:
         """Bytes of the cached pages' dense copies (`dense_pages`)."""
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.dense_pages.values())
-
-            self._drop(page)
-        del table[keep:]
 
     def release(self, rid: str) -> None:
         self.truncate(rid, 0)
