@@ -21,6 +21,7 @@ pytest.importorskip("pytriton")
 from conftest import rerecord, update_engine_config  # noqa: E402
 
 from bpcompile.cli import main  # noqa: E402
+from bpcompile.core.store import MANIFEST, sha256_file  # noqa: E402
 from bpcompile.serving.emit import emit_repository  # noqa: E402
 from bpcompile.serving.openai_frontend import OpenAIFrontend  # noqa: E402
 from bpcompile.serving.serve import ServerProcess  # noqa: E402
@@ -43,6 +44,9 @@ def engine(tmp_path_factory):
     e = make_engine(tmp_path_factory.mktemp("engines") / "1", 1)
     cfg = e / "tokenizer" / "tokenizer_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": TEMPLATE}))
+    man = json.loads((e / MANIFEST).read_text())  # recorded as a rebuild would, so the version still verifies
+    man["artifacts"]["tokenizer/tokenizer_config.json"] = {"sha256": sha256_file(cfg), "bytes": cfg.stat().st_size}
+    (e / MANIFEST).write_text(json.dumps(man))
     rerecord(e, "tokenizer/tokenizer_config.json")
     # prefix reuse on for this quantized plan (its default is off there); the other tests' prompts are shorter
     # than one KV page, so nothing of theirs is reused
