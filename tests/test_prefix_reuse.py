@@ -152,3 +152,17 @@ def test_quantized_plan_with_a_recent_window(pair):
             hist[c] = hist[c] + users[c][t] + answers[t][c]
     assert bound and all(s.reused_tokens >= 36 for s in stats[2])
     assert gen.vkv.held_pages() == 0 and gen.vkv.available() == gen.vkv.capacity
+
+
+def test_identical_prompts_admitted_together_take_one_extra_round(pair):
+    """Eight copies of a 40-token prompt admitted in one step: the first computes it, the other seven take its
+    first 9 pages (the last page holds the last token, which is always computed) in one second round (one batched
+    prefill, not one each), all with the same answer."""
+    system, _ = conversations(1, 40, seed=4)
+    gen = make(pair, None)
+    calls = []
+    real = gen.v_exec.prefill_cached
+    gen.v_exec.prefill_cached = lambda reqs, *a, **kw: calls.append(len(reqs)) or real(reqs, *a, **kw)
+    res = gen.generate([system] * 8, SamplingParams(max_tokens=6))
+    assert calls == [7] and len({tuple(t) for t, _ in res}) == 1
+    assert [s.reused_tokens for _, s in res] == [0] + [36] * 7

@@ -475,8 +475,9 @@ class Generator:
                 hd = self.dkv.block_hashes(r.prompt, self._salts["draft"]) if self.dkv is not None else hv
                 pv = self.vkv.match(hv)
                 pd = self.dkv.match(hd) if self.dkv is not None else pv
-                n = min(len(pv), len(pd), self._reuse_limit(r))
-                if n < len(hv) and hv[n] in coming:
+                limit = self._reuse_limit(r)
+                n = min(len(pv), len(pd), limit)
+                if n < limit and hv[n] in coming:  # (a prompt its limit stops waits for nothing)
                     later.append(r)
                     continue
                 coming.update(hv[n:])
