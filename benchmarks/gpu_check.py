@@ -45,14 +45,9 @@ import torch  # noqa: E402
 from bpcompile.kernels import paged as K  # noqa: E402
 from bpcompile.kernels import tree_mask as TM  # noqa: E402
 from bpcompile.kernels.reference import paged_attention_reference  # noqa: E402
-from bpcompile.runtime.kvcache import KVPlan, QuantKVStore  # noqa: E402
+from bpcompile.runtime.kvcache import KVPlan, QuantKVStore, reader_precisions  # noqa: E402
 
-try:  # the readers' support table (bpcompile.core.kv_support), where the kernels' precisions are declared
-    from bpcompile.runtime.kvcache import reader_precisions  # noqa: E402
-
-    CLAIMED = reader_precisions("triton")
-except ImportError:  # a checkout from before the table: the kernels' slice of the precision registry
-    from bpcompile.runtime.kvcache import KERNEL_PRECISIONS as CLAIMED  # noqa: E402
+CLAIMED = reader_precisions("triton")  # the readers' support table (bpcompile.core.kv_support)
 
 H200_BW = 4.8e12
 

@@ -168,14 +168,7 @@ def test_validate_refuses_for_cuda_what_the_kernels_cannot_read(tmp_path):
     """On CUDA the Triton kernels are the attention: validate names each KV setting whose feature the support table
     (bpcompile.core.kv_support) says they do not read, and a cache shape they cannot take; the CPU, whose PyTorch
     path reads every feature, keeps the same plan valid."""
-    try:
-        from bpcompile.core.kv_support import takes
-    except ImportError:  # a checkout from before the support table: the kernels' slice of the registry
-
-        def takes(reader, feature):
-            from bpcompile.runtime.kvcache import KERNEL_PRECISIONS
-
-            return feature in {p.name for p in KERNEL_PRECISIONS}
+    from bpcompile.core.kv_support import takes
 
     kv = (
         "kv_cache: {format: int4-fp8-outlier, recent_window: 8, int5_keys: middle, int6_keys: early, "
