@@ -154,14 +154,19 @@ def parity(which: str, work: Path) -> dict:
 def generators(engine: Path):
     """The engine as it runs (its KV plan, tree and CPU weight layout), and a verifier-only generator over the same
     verifier modules and the same KV plan (one copy of the weights in memory)."""
+    from bpcompile.core.engine import EngineConfig
     from bpcompile.runtime.generator import Generator
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+    from bpcompile.runtime.paged_kv import float_store_factory
     from bpcompile.runtime.speculative import TreeSpec
 
     spec = Generator.from_engine(engine)
-    factory = (
-        kv_store_factory(KVPlan.load(engine / "kv_plan")) if (engine / "kv_plan" / "plan.json").is_file() else None
-    )
+    if (engine / "kv_plan" / "plan.json").is_file():
+        factory = kv_store_factory(KVPlan.load(engine / "kv_plan"))
+    elif EngineConfig.load(engine).kv_cache.format == "fp16":  # as Generator.from_engine makes it
+        factory = float_store_factory(torch.float16)
+    else:
+        factory = None
     plain = Generator(
         spec.verifier,
         None,
