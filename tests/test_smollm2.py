@@ -81,7 +81,7 @@ def test_recorded_heldout_agreement_recomputes():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("distill", ROOT / "scripts" / "distill_smollm2_draft.py")
+    spec = importlib.util.spec_from_file_location("distill", ROOT / "tools" / "distill_smollm2_draft.py")
     distill = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(distill)
     from bpcompile.compiler import corpus
