@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bpcompile.core.errors import UserError
+from bpcompile.core.errors import RunFailure, UserError
 from bpcompile.core.switches import build_options
 
 err = Console(stderr=True, highlight=False)
@@ -40,6 +40,9 @@ class _Group(click.Group):
                 f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True
             )  # messages hold [serve], [0]...
             sys.exit(2)
+        except RunFailure as e:
+            err.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+            sys.exit(1)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
         except KeyboardInterrupt:

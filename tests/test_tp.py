@@ -455,3 +455,24 @@ def test_channel_messages_and_devices():
     assert rank_devices("cpu", 2) == ["cpu", "cpu"]
     with pytest.raises(UserError, match=r"no CUDA device cuda:2 .* device 'cuda:1'"):
         rank_devices("cuda:1", 2)
+
+
+def test_a_failed_rank_is_an_error_with_exit_1_not_an_internal_error():
+    """The CLI reports a rank that died or hung as what it is (exit 1, so a supervisor restarts), not as a bug."""
+    import click
+    from click.testing import CliRunner
+
+    from bpcompile.cli import _Group
+    from bpcompile.runtime.tp import TPError
+
+    @click.group(cls=_Group)
+    def cli():
+        pass
+
+    @cli.command()
+    def run():
+        raise TPError("tensor-parallel rank 1 (pid 4242) is stopped")
+
+    res = CliRunner().invoke(cli, ["run"])
+    assert res.exit_code == 1, res.output
+    assert "rank 1 (pid 4242) is stopped" in res.output and "internal error" not in res.output

@@ -1,4 +1,5 @@
-"""Error types that map onto the CLI's exit codes: UserError -> 2 (bad input), anything else -> 1."""
+"""Error types that map onto the CLI's exit codes: UserError -> 2 (bad input), anything else -> 1 (RunFailure: a
+failure of the run, reported plainly; other exceptions: internal errors, reported as such)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ class UserError(Exception):
 
 class MissingDependency(UserError):
     """A stage needs software that is not installed here (TensorRT, TensorRT-LLM, tritonserver, a GPU)."""
+
+
+class RunFailure(RuntimeError):
+    """The run failed for a reason outside bpcompile's code and the user's input: a worker process died or stopped
+    answering, a device was lost. The CLI prints the message as an error (not an internal error) and exits 1, so a
+    supervisor restarts what failed."""

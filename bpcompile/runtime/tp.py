@@ -54,14 +54,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from bpcompile.core.errors import UserError
+from bpcompile.core.errors import RunFailure, UserError
 from bpcompile.runtime.paged_kv import AttnBatch
 
 START_TIMEOUT_ENV, TIMEOUT_ENV = "BPCOMPILE_TP_START_TIMEOUT", "BPCOMPILE_TP_TIMEOUT"
 DEFAULT_START_TIMEOUT, DEFAULT_TIMEOUT = 600.0, 120.0
 
 
-class TPError(RuntimeError):
+class TPError(RunFailure):
     """A tensor-parallel rank failed, did not answer in time, or sent what the channel does not carry."""
 
 
