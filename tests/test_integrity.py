@@ -194,6 +194,22 @@ def tampered(tiny, tmp_path) -> Path:
     return copy
 
 
+def test_gpu_kernel_cache_others_can_write_is_not_used(tmp_path):
+    """The ahead-of-time cubins are cached by a key of public inputs and copied into engines: a cache folder other
+    users can write (planted or swappable files) is passed over for a private one, as the CPU kernels' is."""
+    code = "import os; from pathlib import Path; from bpcompile.compiler.aot import _cache_root\nprint(_cache_root())"
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    r = _python(code, _env(BPCOMPILE_CACHE=str(cache)))
+    assert r.returncode == 0 and r.stdout.strip() == str(cache / "kernels"), r.stderr
+    assert (cache / "kernels").stat().st_mode & 0o077 == 0
+    os.chmod(cache / "kernels", 0o777)
+    r = _python(code, _env(BPCOMPILE_CACHE=str(cache)))
+    used = Path(r.stdout.strip())
+    assert r.returncode == 0 and used != cache / "kernels" and cache not in used.parents, r.stderr
+    assert "kernels is writable by group (mode 777); using a private directory" in r.stderr
+
+
 def test_every_file_of_a_built_version_has_one_mode(tiny):
     """safetensors writes 0600 through its temporary file; a version is read by other users: 0644 / 0755 (with
     this umask) for everything, the KV plan's scales included."""

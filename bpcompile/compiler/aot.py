@@ -21,7 +21,7 @@ import torch
 from bpcompile.core.checkpoint import attention_shape
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import fault_point
-from bpcompile.kernels import paged
+from bpcompile.kernels import cbuild, paged
 from bpcompile.runtime.kvcache import reader_precisions
 
 # Triton's own AOT tool (triton/tools/compile.py) is not used as is: its launcher computes the grid from the
@@ -348,7 +348,9 @@ def _remove_dead_tmp(cache: Path) -> None:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("BPCOMPILE_CACHE", Path.home() / ".cache" / "bpcompile")) / "kernels"
+    """Compiled cubins are reused across builds by a key of public inputs and copied into engines that are run:
+    they are cached only where the CPU kernels' cache is trusted (see kernels.cbuild), else privately."""
+    return cbuild.cache_subdir("kernels")
 
 
 def find_cuda_include() -> Path | None:

@@ -119,6 +119,31 @@ def cache_dir() -> Optional[Path]:
     return private
 
 
+def cache_subdir(name: str) -> Path:
+    """A folder `name` of the kernel cache for other built code (the ahead-of-time GPU kernels), trusted as the
+    cache is (created 0700 and checked the same way); else a folder of this process's private directory, else a
+    fresh mkdtemp: code copied out of it into engines is run later, so it must come from a place only we write."""
+    base = cache_dir()
+    if base is not None:
+        d = base / name
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            why = _untrusted(d)
+        except OSError as e:
+            why = f"not usable ({e.strerror})"
+        if why is None:
+            return d
+        _warn(f"kernel cache: {d} is {why}; using a private directory for this process")
+        private = _private_dir()
+        if private is not None:
+            d = private / name
+            d.mkdir(mode=0o700, exist_ok=True)
+            return d
+    d = Path(tempfile.mkdtemp(prefix=f"bpcompile-{name}-"))
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
