@@ -190,3 +190,27 @@ def test_every_reader_matches_the_oracle_for_every_precision_it_claims(reader, p
     assert all(torch.equal(a, b) for a, b in zip(oracle.pools(), ours.pools())), "the bytes differ"
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err <= 1e-4, err
+
+
+def test_onnx_export_refuses_what_the_step_graphs_do_not_read(tmp_path):
+    """A KLT plan's graphs would need the tokens' positions inside the append: the export names the unread
+    features (exit-2 UserError) before tracing, and writes nothing."""
+    from conftest import random_llama
+
+    from bpcompile.compiler.onnx_export import export_model
+    from bpcompile.core.errors import UserError
+    from bpcompile.runtime.model import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=L,
+        num_heads=2 * KV,
+        num_kv_heads=KV,
+        head_size=D,
+        intermediate_size=64,
+    )
+    with pytest.raises(UserError, match="cannot export ONNX step graphs for this KV plan") as e:
+        export_model(random_llama(cfg, seed=0), QuantKVStore(_plan("klt6"), 4, 8), tmp_path / "g", 64)
+    assert "onnxruntime executor's step graphs do not read KLT6 key units" in str(e.value) and e.value.exit_code == 2
+    assert not (tmp_path / "g").exists()

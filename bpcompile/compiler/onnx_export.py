@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from bpcompile.core.errors import UserError
 from bpcompile.runtime import plugin_ops as ops
+from bpcompile.runtime.kvcache import plan_support
 from bpcompile.runtime.model import Llama, causal_attend, rms_norm
 
 OPSET = 17
@@ -184,6 +186,11 @@ def export_model(model: Llama, store, out_dir: Path, max_positions: int) -> dict
     """prefill.onnx and step.onnx (each with its weights as external data) for one model over its store."""
     import onnx
 
+    # the graphs' ops take only what the support table says the step graphs read (a KLT unit's keys need their
+    # positions, exact entries their copies): refuse before tracing rather than fail inside it
+    why = plan_support(store.plan, "onnxruntime") if ops.is_quantized(store) else []
+    if why:
+        raise UserError(f"cannot export ONNX step graphs for this KV plan: {'; '.join(why)}", key="kv_cache")
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {}
     for kind in ("prefill", "step"):

@@ -204,6 +204,16 @@ class Runtime(_Strict):
         "sees a GPU when the engine starts, else cpu (the plan as for cuda)",
     )
 
+    prefill_chunk: int = Field(
+        512,
+        ge=0,
+        description="prompt tokens prefilled per step at most: a longer prompt prefills in chunks interleaved with "
+        "the decode / speculative steps of the running sequences, which then wait one chunk's forward for their "
+        "next token instead of the whole prompt's (outputs identical to an unchunked prefill; costs one prompt's "
+        "K/V in the compute dtype while it prefills); 0 = off (every admitted prompt prefills whole at once); "
+        "tensor-parallel engines prefill whole",
+    )
+
     prefix_reuse: Union[bool, Literal["auto"]] = Field(
         "auto",
         description="reuse the KV pages of a prompt's leading full pages computed by an earlier request "

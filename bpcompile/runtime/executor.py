@@ -29,6 +29,7 @@ class Executor:
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
         self.hidden: Optional[torch.Tensor] = None
+        self.chunks: dict[str, tuple] = {}  # a prompt prefilling in chunks: its K/V as computed (`chunk_begin`)
         # a few queries a sequence on CPU (decode steps, tree verifies) over a float32 dense view: bpcompile's kernel
         # puts the new entries into the float cache (a float store) or the exact copies (a plan with a recent
         # window: decode steps of one sequence only) and attends, one call per sequence and layer
@@ -194,6 +195,55 @@ class Executor:
 
         with kv.batched_writes(own_exact=True):
             return self._model(tok, pos, attend, feats, last_only=last_only)
+
+    def chunk_begin(self, r: Request, start: int) -> None:
+        """Before r's prompt prefills in chunks (runtime/chunked.py) from entry `start` (a reused prefix before it):
+        its pages, and a copy of its K/V [layers, KV, prompt, D] in the compute dtype that the chunks attend to, as
+        computed (an unchunked prefill attends to the prompt's K/V before the store quantizes them); the reused
+        prefix enters it in its stored form (as `prefill_cached` reads it)."""
+        kv, n = self.kv, len(r.prompt)
+        kv.ensure(r.id, n + self.lookahead)
+        s = kv.store
+        shape = (s.num_layers, s.num_kv_heads, n, s.head_size)
+        k, v = (torch.empty(shape, dtype=self.model.dtype, device=self.device) for _ in range(2))
+        if start:
+            slots = torch.tensor([kv.slot(r.id, i) for i in range(start)], device=self.device)
+            for layer in range(s.num_layers):
+                sk, sv = s.read(layer, slots)
+                k[layer, :, :start], v[layer, :, :start] = sk.transpose(0, 1), sv.transpose(0, 1)
+        self.chunks[r.id] = (k, v)
+
+    def chunk_end(self, rid: str) -> None:
+        self.chunks.pop(rid, None)
+
+    def prefill_chunk(
+        self, r: Request, start: int, n: int, last_logits: bool, feats: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
+        """Prompt tokens [start, start + n) of r (after `chunk_begin`): K/V into the cache (and its dense view and
+        exact copies, as `prefill` writes them) and into r's chunk copy; causal attention over the copy's [0, start)
+        and the chunk. -> the logits of the chunk's last token [V] when last_logits. feats [1, n, hidden]: a
+        FeatureDraft's input features."""
+        dev, kv = self.device, self.kv
+        tok = torch.tensor([r.prompt[start : start + n]], device=dev)
+        pos = torch.arange(start, start + n, device=dev)
+        flat = torch.tensor([kv.slot(r.id, i) for i in range(start, start + n)], device=dev)
+        at = None
+        if kv.dense is not None or kv.recent is not None:
+            at = (torch.full((n,), kv.rows[r.id], device=dev), pos)
+        ck, cv = self.chunks[r.id]
+        rep = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
+        hidden = torch.ones(n, start + n, dtype=torch.bool, device=dev).triu(start + 1)
+        hidden = hidden.repeat_interleave(rep, 0)[None, None]
+
+        def attend(layer, q, k, v):
+            kv.write(layer, flat, k[0], v[0], at, pos)
+            ck[layer, :, start : start + n] = k[0].transpose(0, 1)
+            cv[layer, :, start : start + n] = v[0].transpose(0, 1)
+            return dense_attention(q, ck[layer, None, :, : start + n], cv[layer, None, :, : start + n], hidden)
+
+        with kv.batched_writes(own_exact=True):
+            logits = self._model(tok, pos[None], attend, feats, last_only=True)
+        return logits[0, -1] if last_logits else None
 
     def _model(self, tok, pos, attend, feats, last_only: bool = False, rows=None) -> torch.Tensor:
         """The model's logits; its final hidden states go to self.hidden where it reads or feeds features."""

@@ -26,6 +26,7 @@ import torch
 from bpcompile.core.engine import EXECUTORS, EngineConfig, resolve_device
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import MANIFEST, verify_enabled, verify_version
+from bpcompile.runtime.chunked import ChunkedPrefill
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.kvcache import plan_support
 from bpcompile.runtime.model import FeatureDraft, Llama, is_feature_draft
@@ -92,6 +93,7 @@ class Generator:
         graphs: Optional[str | Path] = None,
         prefix_reuse: Optional[bool] = None,
         salt: str = "",
+        prefill_chunk: int = 0,
     ):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
         plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
@@ -104,7 +106,9 @@ class Generator:
         computed them (`PagedKV` prefix reuse; never with the onnxruntime executor or a plan with sink tokens).
         None: where outputs stay identical, i.e. float caches (with a quantized plan the rest of the prompt
         reads the reused prefix in its stored form, where a full prefill reads it unquantized).
-        salt: what identifies the engine in the pages' block hashes."""
+        salt: what identifies the engine in the pages' block hashes.
+        prefill_chunk: prompt tokens prefilled per step at most (chunked.py), interleaved with the running
+        sequences' steps; 0: every admitted prompt prefills whole in the step that admits it."""
         if executor not in EXECUTORS:
             raise UserError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}", key="executor")
         if executor == "onnxruntime" and graphs is None:
@@ -179,6 +183,9 @@ class Generator:
         }
         self.prefix_stats = {"prompt_tokens": 0, "reused_tokens": 0, "requests": 0, "hits": 0}
         self.outbox: list[StepOutput] = []
+        if prefill_chunk < 0:
+            raise UserError(f"prefill_chunk must be >= 0 (0: off), got {prefill_chunk}", key="prefill_chunk")
+        self.chunks = ChunkedPrefill(self, prefill_chunk) if prefill_chunk else None
         self.tp, self.peers = 1, None  # from_engine sets them for a tensor-parallel engine
 
     # ------------------------------------------------------------------------------------------ API
@@ -318,6 +325,8 @@ class Generator:
                 if tp > 1
                 else {"auto": None}.get(cfg.runtime.prefix_reuse, cfg.runtime.prefix_reuse),
                 salt=_engine_salt(d),
+                # a chunk's K/V copy is rank 0's alone (the tensor-parallel channel does not carry it)
+                prefill_chunk=cfg.runtime.prefill_chunk if tp == 1 else 0,
             )
             if peers is not None:
                 peers.wait_ready()
@@ -403,9 +412,11 @@ class Generator:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         outs, self.outbox = self.outbox, []
-        old = list(self.scheduler.running.values())
+        old = [r for r in self.scheduler.running.values() if r.v_len]  # prefilled (not part-way: chunked.py)
         new = self.scheduler.admit()
-        if new:
+        if self.chunks is not None:
+            outs += self.chunks.run(new)
+        elif new:
             outs += self._prefill(new)
         if old:
             committed = self.spec.run(old)
@@ -452,6 +463,8 @@ class Generator:
     # ------------------------------------------------------------------------------------ internals
 
     def _release(self, r: Request) -> None:
+        if self.chunks is not None:
+            self.chunks.drop(r.id)
         self.vkv.release(r.id)
         if self.dkv is not None:
             self.dkv.release(r.id)
