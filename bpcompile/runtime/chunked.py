@@ -19,14 +19,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from bpcompile.runtime.request import Request, StepOutput, apply_penalties, keep_logits, penalized
-
-if TYPE_CHECKING:
-    from bpcompile.runtime.generator import Generator
 
 
 @dataclass
@@ -41,7 +38,9 @@ class _Prompt:
 
 
 class ChunkedPrefill:
-    def __init__(self, gen: "Generator", budget: int):
+    """The prefill work of a `Generator` (gen: its caches, executors and whole-prompt prefill) under a budget."""
+
+    def __init__(self, gen, budget: int):
         self.gen, self.budget = gen, budget
         self.queue: deque[Request] = deque()  # admitted, prompt not (wholly) in the caches yet; oldest first
         self.state: dict[str, _Prompt] = {}
