@@ -631,6 +631,101 @@ def test_restricted_apis_and_private_shared_memory(server):
     assert server.healthy() and generate_remote(server.grpc_url, PROMPTS[0], 4)["tokens"] == 4
 
 
+def _scrape(server) -> dict:
+    """tritonserver's /metrics as {(name, frozenset of labels without model/version): value}, read with
+    prometheus_client's parser; only the generating model's series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("model") == "tensorrt_llm":
+                labels = frozenset((k, v) for k, v in s.labels.items() if k not in ("model", "version"))
+                out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def _m(scrape, name, **labels) -> float:
+    return scrape.get((name, frozenset(labels.items())), float("nan"))
+
+
+def test_tensorrt_llm_metrics_match_a_known_run(server, tokenizer):
+    """The nv_trt_llm_* families (tensorrtllm_backend's names and labels) and the token counters and latency
+    histograms on tritonserver's metrics port, against a run whose numbers the client knows: N requests, their
+    prompt lengths (the engine's tokenizer) and the tokens each got; then 20 requests on a batch of 16."""
+    engine = json.loads((server.engines[1] / "engine.json").read_text())
+    batch, page = engine["limits"]["max_batch_size"], engine["kv_cache"]["page_size"]
+    before = _scrape(server)
+    assert _m(before, "nv_trt_llm_request_metrics", request_type="max") == batch
+    assert _m(before, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == page
+    prompts = PROMPTS[:5]
+    runs = [generate_remote(server.grpc_url, p, 6 + i, end_id=-1) for i, p in enumerate(prompts)]  # no early end
+    n, tokens = len(runs), sum(r["tokens"] for r in runs)
+    prompt_tokens = sum(len(tokenizer.encode(p).ids) for p in prompts)
+    assert tokens == sum(6 + i for i in range(n))
+
+    def delta(after, name, **labels):
+        return _m(after, name, **labels) - _m(before, name, **labels)
+
+    out_len, in_len = {"response_metric_type": "total_output_tokens"}, {"response_metric_type": "total_input_tokens"}
+    deadline = time.monotonic() + 30
+    while delta(after := _scrape(server), "nv_llm_output_token_len_count", **out_len) < n:
+        assert time.monotonic() < deadline, "the finished requests never reached the metrics"
+        time.sleep(0.1)
+    assert delta(after, "nv_llm_output_token_len_count", **out_len) == n
+    assert delta(after, "nv_llm_output_token_len_sum", **out_len) == tokens
+    assert delta(after, "nv_llm_input_token_len_sum", **in_len) == prompt_tokens
+    buckets = {float(dict(k[1])["le"]): k for k in after if k[0] == "nv_llm_output_token_len_bucket"}
+    assert after[buckets[5.0]] - before[buckets[5.0]] == 0  # 6..10 tokens each
+    assert after[buckets[10.0]] - before[buckets[10.0]] == n
+    assert delta(after, "bpcompile_generator_generation_tokens_total") == tokens
+    assert delta(after, "bpcompile_generator_prompt_tokens_total") == prompt_tokens
+    for h in ("time_to_first_token", "inter_token_latency", "request_latency"):
+        assert delta(after, f"bpcompile_generator_{h}_seconds_count") == n, h
+    # the server's view is inside the client's: each request's server latency <= what the client waited
+    assert 0 < delta(after, "bpcompile_generator_time_to_first_token_seconds_sum") <= sum(r["ttft_s"] for r in runs)
+    assert 0 < delta(after, "bpcompile_generator_request_latency_seconds_sum") <= sum(r["latency_s"] for r in runs)
+    # one after the other, each at least a prefill and a step (a step commits at most nodes + 1 = 6 tokens)
+    assert delta(after, "nv_trt_llm_general_metrics", general_type="iteration_counter") >= 2 * n
+    idle = {"active": 0, "scheduled": 0, "waiting": 0, "context": 0, "max": batch}
+    for kind, v in idle.items():
+        assert _m(after, "nv_trt_llm_request_metrics", request_type=kind) == v, kind
+    kv = {k: _m(after, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type=k) for k in ("max", "free", "used")}
+    assert kv["used"] == 0 and kv["free"] == kv["max"] > 0
+    assert _m(after, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="fraction") == 0
+    assert _m(after, "nv_trt_llm_runtime_memory_metrics", memory_type="cpu") > 10e6
+
+    # 20 long requests on a batch of 16: 16 scheduled, 4 waiting, pages in use, while they run
+    results, errors = [], []
+
+    def one(i):
+        try:
+            results.append(generate_remote(server.grpc_url, PROMPTS[i % 16], 200, end_id=-1))
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    seen, deadline = None, time.monotonic() + 60
+    while seen is None and time.monotonic() < deadline and not errors:
+        m = _scrape(server)
+        req = {k: _m(m, "nv_trt_llm_request_metrics", request_type=k) for k in ("active", "scheduled", "waiting")}
+        if req == {"active": 20, "scheduled": batch, "waiting": 20 - batch}:
+            seen = m
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 20, errors
+    assert seen is not None, "never saw 20 active requests, 16 scheduled and 4 waiting"
+    used = _m(seen, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used")
+    assert used >= batch  # every running request holds at least its prompt's page
+    fraction = _m(seen, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="fraction")
+    assert fraction == pytest.approx(used / _m(seen, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"))
+
+
 def test_bench_remote_reports(server):
     r = bench_remote(server.grpc_url, PROMPTS[:4], n=4, concurrency=2, max_tokens=8, warmup=0)
     assert r["requests"] == 4 and r["errors"] == 0 and r["output_tokens"] == 32

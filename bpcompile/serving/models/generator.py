@@ -26,7 +26,9 @@ the sender's and the request's is_cancelled() stay False and every send succeeds
 should send their request to this model (the text interface: same inputs, same outputs) rather than to the
 ensemble; their cancellation and disconnects then reach this loop.
 
-Metrics (tritonserver's /metrics, labelled with version and instance): bpcompile_generator_steps_total,
+Metrics (tritonserver's /metrics): tensorrtllm_backend's nv_trt_llm_* families with its labels, token counters
+and latency histograms (bpcompile/serving/generator_metrics.py); and, labelled with version and instance,
+bpcompile_generator_steps_total,
 bpcompile_generator_requests (in the batch or queued for it), bpcompile_generator_cancelled_total,
 bpcompile_generator_kv_pages_used, bpcompile_generator_prefix_hit_rate (prompt tokens taken from the prefix
 cache / prompt tokens admitted). Each cancellation is also logged with the generator step it was seen at.
@@ -42,6 +44,7 @@ import triton_python_backend_utils as pb_utils
 
 from bpcompile.runtime.inflight import InflightLoop, LoopRequest
 from bpcompile.serving.drain import Instance, ModelDrain
+from bpcompile.serving.generator_metrics import GeneratorMetrics, StepTally
 from bpcompile.serving.protocol import (DEFAULT_MAX_TOKENS, BadRequest, TextInterface, backend_options,
                                        check_sampling, context_window, delta_text, scalar, unpack_words)
 
@@ -68,6 +71,7 @@ class _TritonLoop(InflightLoop):
     def __init__(self, model: "TritonPythonModel"):
         super().__init__(model.gen)
         self.model, self.counted = model, 0
+        self.tally = StepTally()  # what the last step did, for the TensorRT-LLM metrics
 
     def is_cancelled(self, job: _Job) -> bool:
         return job.sender.is_cancelled()
@@ -80,11 +84,19 @@ class _TritonLoop(InflightLoop):
         m.set("kv_pages", self.gen.vkv.held_pages())
         ps = self.gen.prefix_stats
         m.set("prefix_hit_rate", ps["reused_tokens"] / ps["prompt_tokens"] if ps["prompt_tokens"] else 0.0)
+        active = len(self.running) + self.inbox.qsize()
+        self.model.trt_metrics.turn(self.gen, active, self.steps, self.tally, idle=not self.running)
+        self.tally = StepTally()
 
     def on_output(self, job: _Job, o) -> None:
+        reused = int(getattr(o.stats, "reused_tokens", 0) or 0) if job.steps == 1 else 0
+        self.tally.output(job.steps == 1, len(job.prompt), reused, len(o.new_tokens))
         if o.new_tokens:
             job.last_token_ns = time.time_ns()
             job.first_token_ns = job.first_token_ns or job.last_token_ns
+        if o.finished:
+            self.model.trt_metrics.finished(len(job.prompt), len(job.out), job.arrival_ns, job.first_token_ns,
+                                            job.last_token_ns)
         if job.stream and (len(job.out) > job.sent or o.finished):
             self.model._send(job, job.sent, o)
         elif o.finished:
@@ -165,6 +177,9 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.metrics = _Metrics({"version": str(self.engine_version),
                                  "instance": args.get("model_instance_name", "")})
+        instances = sum(int(g.get("count", 1)) for g in self.model_config.get("instance_group", [])) or 1
+        self.trt_metrics = GeneratorMetrics(pb_utils, args["model_name"], args["model_version"],
+                                            args.get("model_instance_name") if instances > 1 else None)
         import torch
 
         self.logger.log_info(f"generator: engine version {self.engine_version} from {engine_dir}, tree "
@@ -239,6 +254,7 @@ class TritonPythonModel:
                                 repetition_penalty=scalar(get, "repetition_penalty", 1.0, float),
                                 presence_penalty=scalar(get, "presence_penalty", 0.0, float),
                                 frequency_penalty=scalar(get, "frequency_penalty", 0.0, float),
+                                penalties_over_output=scalar(get, "penalties_over_output", False, bool),
                                 min_tokens=scalar(get, "min_tokens", 0, int),
                                 context_logits=scalar(get, "return_context_logits", False, bool),
                                 generation_logits=scalar(get, "return_generation_logits", False, bool))
