@@ -187,9 +187,9 @@ class Runtime(_Strict):
     onnx: bool = Field(False, description="export each model's step graphs into the version (onnx/)")
     cpu_weights: Literal["auto", "both", "rows", "packed", "plain"] = Field(
         "auto",
-        description="float32 weights on CPU with the torch executor: auto = both or rows, whichever "
-        "multiplies one row faster on this machine (timed when the engine loads: a one-token step never "
-        "costs more than a tree verify's few-row path); both = the plain layout for one row "
+        description="float32 weights on CPU with the torch executor: auto = one copy of the weights, rows "
+        "where bpcompile's few-row kernel builds, else plain (docs/CPU.md: a second copy costs the weights' "
+        "size again, +540 MB on SmolLM2, for at most ~3% of a decode step); both = the plain layout for one row "
         "(PyTorch's GEMV) and a second copy for products of several rows, multiplied by "
         "bpcompile's few-row kernel (up to 16 rows: a tree verify; built on first use with the "
         "C compiler, for AVX-512 CPUs) or, where that kernel is unavailable, oneDNN-packed; "

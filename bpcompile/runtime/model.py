@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import statistics
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -389,8 +387,8 @@ def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = to
     Returns the new modules (none where nothing changed), each kind of their plain weights in one buffer."""
     if layout not in CPU_LAYOUTS:
         raise ValueError(f"CPU weight layout {layout!r}: one of {', '.join(CPU_LAYOUTS)}")
-    auto = layout == "auto"
-    layout = "both" if auto else layout
+    if layout == "auto":  # one copy of the weights (docs/CPU.md: the second costs their size, for ~3% at best)
+        layout = "rows" if dtype == torch.float32 and cpu_rows.available() else "plain"
     if layout in ("rows", "both") and dtype == torch.float32 and cpu_rows.available():
         lins = _swap_linears(module, lambda lin: RowsLinear(lin, keep_plain=layout == "both"))
         _one_buffer(lins, "w")
@@ -402,41 +400,7 @@ def _to_cpu_layout(module: torch.nn.Module, layout: str, dtype: torch.dtype = to
             return []
         lins = _swap_linears(module, lambda lin: PackedLinear(lin, dtype, keep_plain=layout == "both"))
         _one_buffer([m for m in lins if m.wt is not None], "wt")
-    if auto and lins and all(m.wt is not None for m in lins) and not one_row_plain_pays(lins):
-        for m in lins:  # the few-row copy for one row too: the plain copies go
-            m.wt = None
     return lins
-
-
-_ONE_ROW: dict[tuple, bool] = {}
-
-
-def one_row_plain_pays(lins: list) -> bool:
-    """Whether one row through `lins` (RowsLinear or PackedLinear keeping their plain copy, in forward order) is
-    faster by their plain transposed copies (PyTorch's GEMV) than by their few-row copies (bpcompile's kernel or
-    oneDNN-packed), timed here: interleaved passes over all of them, as a decode step streams them, medians. Why
-    measured: it depends on the CPU (on an Intel Xeon with AVX-512 the two were within 3% for SmolLM2; on a 2-core
-    AMD EPYC VM a one-token step by the plain copies took 46 ms while a 2-6 token tree verify took 27 ms).
-    About 10 passes (SmolLM2: ~0.3 s at load); cached per process by kind, shapes and thread count."""
-    key = (type(lins[0]).__name__, torch.get_num_threads(), tuple(tuple(m.wt.shape) for m in lins))
-    if key not in _ONE_ROW:
-        plain = [m.wt for m in lins]
-        xs = [torch.randn(1, w.shape[0]) for w in plain]
-        times: dict[bool, list[float]] = {True: [], False: []}
-        with torch.inference_mode():
-            for i in range(10):
-                use = i % 2 == (i // 2) % 2  # plain first in one pair, second in the next: drift hits both alike
-                for m, w in zip(lins, plain):
-                    m.wt = w if use else None
-                t = time.perf_counter()
-                for m, x in zip(lins, xs):
-                    m(x)
-                if i >= 2:  # the first pair warms up
-                    times[use].append(time.perf_counter() - t)
-        for m, w in zip(lins, plain):
-            m.wt = w
-        _ONE_ROW[key] = statistics.median(times[True]) < statistics.median(times[False])
-    return _ONE_ROW[key]
 
 
 class Llama(torch.nn.Module):
@@ -510,9 +474,8 @@ class Llama(torch.nn.Module):
 
     def pack_for_cpu(self, layout: str = "auto") -> bool:
         """Lay the linears (the head included) out for a float32 model on CPU; same results to float32 rounding.
-        layout (CPU_LAYOUTS): auto = both where one row is faster by the plain copies on this machine, else one
-        copy, the few-row one (timed at load: `one_row_plain_pays`), so a one-token step never costs more than the
-        few-row path would; both = the plain layout for single rows (a decode step without a tree) plus a copy for
+        layout (CPU_LAYOUTS): auto = one copy of the weights: rows where the few-row kernel builds, else plain;
+        both = the plain layout for single rows (a decode step without a tree) plus a copy for
         products of several rows (a tree verify, a prompt): bpcompile's few-row kernel's (`RowsLinear`) where it
         builds, else oneDNN-packed (`PackedLinear`, which says why); rows = one copy, the few-row kernel for single
         rows too (both where it cannot be built); packed = oneDNN-packed only; plain = unchanged. True
@@ -527,7 +490,7 @@ class Llama(torch.nn.Module):
         if self.tied and type(self.head) is RowsLinear:
             self.embedding = self.head.w
         elif self.tied and type(self.head) is PackedLinear:
-            # auto may have dropped the plain copy: the embedding then reads a dense copy of the packed weight
+            # packed keeps no plain copy: the embedding then reads a dense copy of the packed weight
             self.embedding = (
                 self.head.wt.t() if self.head.wt is not None else dense if dense is not None else self.head.weight
             )
