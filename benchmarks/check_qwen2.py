@@ -4,6 +4,8 @@
     .venv/bin/bpcompile build recipes/qwen2.5-coder.yaml
     .venv/bin/python benchmarks/check_qwen2.py parity                    # logits, tp 1 and tp 2, both models
     .venv/bin/python benchmarks/check_qwen2.py speculation [--engine engines/qwen2.5-coder/1]
+    .venv/bin/python benchmarks/check_qwen2.py generate --json-out gen.json   # the same through `generate`
+    .venv/bin/python benchmarks/check_qwen2.py triton --reference gen.json     # ... and through tritonserver
     .venv/bin/python benchmarks/check_qwen2.py speed [--engine ...]      # batch-1 decode, interleaved
 
 parity: each model converted to float32 at tp 1 and at tp 2; bpcompile's forward (tp 1: the one rank file; tp 2:
@@ -11,22 +13,32 @@ two processes, each loading only its own rank file) against transformers' Qwen2F
 code prompt; prints the largest absolute logits difference. speculation: 30 prompts (15 code completions sent raw,
 15 chat requests through the chat template) x 48 tokens, greedy, through the built engine's own KV plan and
 tree, against the same verifier and cache without a draft; stops on every end id. Exit code 1 if a logits
-difference exceeds 1e-4 or any output differs. speed: decode tokens/s at batch 1 (float32), verifier-only,
-speculation and transformers' assisted generation with the same two models, interleaved prompt by prompt.
+difference exceeds 1e-4 or any output differs. generate: the same 30 prompts one at a time through `bpcompile
+generate`'s code (--raw for code, chat template for requests), speculation vs --no-speculation, and --cli of them
+through the command itself. triton: the same prompts as text through tritonserver's ensemble, served with the
+engine's tree and verifier-only (--reference: also equal to a `generate` run's outputs). speed: decode tokens/s at
+batch 1 (float32), verifier-only, speculation and transformers' assisted generation with the same two models,
+interleaved (rotated order per repeat, --pause between runs), median over --repeats.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+import os
 
-import torch
+# Before torch is imported (here and, inherited, in the server and the `generate` commands): OpenMP threads that
+# spin while waiting collapse throughput on a busy machine; every row and mode runs with the same setting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models" / "qwen2.5-coder"
@@ -68,13 +80,36 @@ CHAT = [
 ]
 
 
+def prompt_texts(tokenizer_dir: Path) -> list[str]:
+    """The 30 prompts as text: code sent raw, chat requests through the chat template."""
+    from bpcompile.runtime.text import chat_prompt
+
+    return list(CODE) + [chat_prompt(tokenizer_dir, c) for c in CHAT]
+
+
 def prompts(tokenizer_dir: Path) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from bpcompile.runtime.text import chat_prompt
-
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    return [tok.encode(p).ids for p in CODE] + [tok.encode(chat_prompt(tokenizer_dir, c)).ids for c in CHAT]
+    return [tok.encode(t).ids for t in prompt_texts(tokenizer_dir)]
+
+
+def spread(n: int, limit: int) -> list[int]:
+    """Indices of `limit` of n prompts spread over code and chat alike (all of them for limit 0)."""
+    if not limit or limit >= n:
+        return list(range(n))
+    return [i * n // limit for i in range(limit)]
+
+
+def compare(want: list[list[int]], got: list[list[int]]) -> dict:
+    """How many outputs are identical, and for the others the first position that differs."""
+    same = [a == b for a, b in zip(want, got)]
+    first = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b, s in zip(want, got, same)
+        if not s
+    ]
+    return {"prompts": len(want), "identical": sum(same), "differing_first_token": first}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,41 +250,178 @@ def speculation(engine: Path, max_tokens: int) -> dict:
     }
 
 
-def speed(engine: Path, n: int, max_tokens: int) -> dict:
-    """Batch-1 decode tokens/s (generated tokens / wall time after the prompt), interleaved prompt by prompt."""
+def via_generate(engine: Path, max_tokens: int, cli: int, limit: int) -> dict:
+    """Each prompt alone (batch 1) through `bpcompile generate`'s own code (`commands._generate`: --raw for code,
+    the chat template for chat requests, every end id), with speculation and with --no-speculation, over one load
+    of the engine; and the first `cli` prompts also through the `bpcompile generate` command itself (one process
+    per prompt and mode, before the in-process run so that one copy of the weights is in memory at a time)."""
+    import contextlib
+    import io
+
+    from tokenizers import Tokenizer
+
+    from bpcompile.commands import _generate
+    from bpcompile.runtime.text import end_ids
+
+    texts = list(CODE) + list(CHAT)  # as a user types them: `generate` applies the template itself
+    raw = [True] * len(CODE) + [False] * len(CHAT)
+    pick = spread(len(texts), limit)
+    texts, raw = [texts[i] for i in pick], [raw[i] for i in pick]
+    command: dict[str, list[list[int]]] = {"speculation": [], "verifier only": []}
+    for i in range(cli):
+        for name, flag in (("speculation", []), ("verifier only", ["--no-speculation"])):
+            cmd = [str(Path(sys.executable).parent / "bpcompile"), "generate", str(engine), "--json", "--no-verify"]
+            cmd += ["--max-tokens", str(max_tokens), "--prompt", texts[i], "--raw" if raw[i] else "--chat", *flag]
+            run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            command[name].append(json.loads(run.stdout[run.stdout.index("{") :])["tokens"])
+    tok = Tokenizer.from_file(str(engine / "tokenizer" / "tokenizer.json"))
+    ends = end_ids(engine / "tokenizer", tok)
+    spec, plain = generators(engine)
+    out: dict[str, list] = {"speculation": [], "verifier only": []}
+    wall = dict.fromkeys(out, 0.0)
+    steps = committed = 0
+    for text, r in zip(texts, raw):
+        for name, gen in (("verifier only", plain), ("speculation", spec)):
+            with contextlib.redirect_stdout(io.StringIO()):
+                res = _generate(gen, engine, tok, text, max_tokens, 0.0, None, ends, True, not r)
+            out[name].append(res["tokens"])
+            wall[name] += res["wall_s"]
+            if name == "speculation":
+                steps += res["verifier_steps"]
+                committed += res["tau"] * res["verifier_steps"]
+        print(f"{len(out['speculation'])}/{len(texts)}", file=sys.stderr, flush=True)
+    cmp = compare(out["verifier only"], out["speculation"])
+    return {
+        **cmp,
+        "max_tokens": max_tokens,
+        "end_ids": ends,
+        "tokens": sum(map(len, out["speculation"])),
+        "stopped_on_end_id": sum(len(t) < max_tokens for t in out["speculation"]),
+        "tau": round(committed / max(steps, 1), 3),
+        "command_prompts": cli,
+        "command_identical_to_in_process": all(command[k][i] == out[k][i] for k in command for i in range(cli)),
+        "verifier_only_s": round(wall["verifier only"], 1),
+        "speculation_s": round(wall["speculation"], 1),
+        "picked": pick,
+        "outputs": out,
+    }
+
+
+def via_triton(engine: Path, max_tokens: int, concurrency: int, reference: Path | None, limit: int) -> dict:
+    """The 30 prompts through tritonserver (gRPC, streaming, the emitted ensemble: the server tokenizes the text
+    and stops on every end id the engine lists), served once with the engine's tree and once verifier-only,
+    `concurrency` requests at a time (the server batches them); reference: a `generate` run's JSON to compare with."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bpcompile.serving.client import generate_remote
+    from bpcompile.serving.emit import emit_repository
+    from bpcompile.serving.serve import ServerProcess
+
+    texts = prompt_texts(engine / "tokenizer")
+    pick = spread(len(texts), limit)
+    texts = [texts[i] for i in pick]
+    out: dict[str, list] = {}
+    wall = {}
+    with tempfile.TemporaryDirectory(dir=ROOT / ".cache") as tmp:
+        for name, tree in (("verifier only", {"kind": "none"}), ("speculation", None)):
+            repo = Path(tmp) / name.replace(" ", "-")
+            emit_repository([(1, engine)], repo, tree=tree)
+            with ServerProcess(repo, log_file=Path(tmp) / f"{repo.name}.log", startup_timeout=900) as s:
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(concurrency) as ex:
+                    res = list(
+                        ex.map(lambda t: generate_remote(s.grpc_url, t, max_tokens=max_tokens, timeout=3600), texts)
+                    )
+                wall[name] = time.perf_counter() - t0
+            out[name] = [r["token_ids"] for r in res]
+            taus = [(r.get("tokens_per_step") or 0, r.get("verifier_steps") or 0) for r in res]  # the last: speculation
+    cmp = compare(out["verifier only"], out["speculation"])
+    steps = sum(n for _, n in taus)
+    result = {
+        **cmp,
+        "max_tokens": max_tokens,
+        "concurrency": concurrency,
+        "tokens": sum(map(len, out["speculation"])),
+        "stopped_on_end_id": sum(len(t) < max_tokens for t in out["speculation"]),
+        "tau": round(sum(t * n for t, n in taus) / max(steps, 1), 3),
+        "verifier_only_s": round(wall["verifier only"], 1),
+        "speculation_s": round(wall["speculation"], 1),
+    }
+    if reference is not None:
+        ref = json.loads(reference.read_text())
+        at = {i: j for j, i in enumerate(ref["picked"])}
+        both = [(at[i], j) for j, i in enumerate(pick) if i in at]  # the prompts both runs had
+        result["compared_with_generate"] = len(both)
+        result["identical_to_generate"] = {k: sum(ref["outputs"][k][a] == out[k][b] for a, b in both) for k in out}
+    return result
+
+
+def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float) -> dict:
+    """Batch-1 decode tokens/s of three rows, interleaved: each repeat runs every row on every prompt, the rows in a
+    rotated order (a drift of the machine's speed hits all rows alike), `pause` seconds between runs. A run's time is
+    its whole generate call (prompt included) over the tokens it generated; the rows decode the same prompts to the
+    same length (no end id: every run decodes max_tokens). Per row: the median over repeats of that repeat's
+    tokens/s, and every repeat's figure."""
+    import statistics
+
     import transformers
 
     from bpcompile.runtime.generator import SamplingParams
+    from bpcompile.runtime.model import cpu_layout
 
     ps = prompts(engine / "tokenizer")
-    ps = [ps[i] for i in range(0, len(ps), max(len(ps) // n, 1))][:n]
+    ps = [ps[i] for i in spread(len(ps), n)]
     spec, plain = generators(engine)
     hf_v = transformers.AutoModelForCausalLM.from_pretrained(MODELS / "verifier", dtype=torch.float32).eval()
     hf_d = transformers.AutoModelForCausalLM.from_pretrained(MODELS / "draft", dtype=torch.float32).eval()
-    params = SamplingParams(max_tokens=max_tokens)  # no end id: every run decodes max_tokens
-    times = {"verifier only": 0.0, "speculation": 0.0, "transformers assisted": 0.0}
-    toks = dict.fromkeys(times, 0)
-    for p in ps:
-        for name, gen in (("verifier only", plain), ("speculation", spec)):
-            t0 = time.perf_counter()
-            ((out, _),) = gen.generate([p], params)
-            times[name] += time.perf_counter() - t0
-            toks[name] += len(out)
+    params = SamplingParams(max_tokens=max_tokens)
+
+    def ours(gen, p):
+        ((out, _),) = gen.generate([p], params)
+        return len(out)
+
+    def assisted(p):
         ids = torch.tensor([p])
-        t0 = time.perf_counter()
         with torch.no_grad():
             out = hf_v.generate(ids, assistant_model=hf_d, do_sample=False, max_new_tokens=max_tokens,
                                 min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=151643)  # fmt: skip
-        times["transformers assisted"] += time.perf_counter() - t0
-        toks["transformers assisted"] += out.shape[1] - len(p)
-    rate = {k: round(toks[k] / times[k], 2) for k in times}
+        return out.shape[1] - len(p)
+
+    rows = {
+        "verifier only": lambda p: ours(plain, p),
+        "speculation": lambda p: ours(spec, p),
+        "transformers assisted": assisted,
+    }
+    for f in rows.values():  # warm-up: first-call allocations and the one-row layout's timing stay out
+        f(ps[0][:16])
+    per = {k: [] for k in rows}
+    names = list(rows)
+    for r in range(repeats):
+        t, k = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        for p in ps:
+            for name in names[r % 3 :] + names[: r % 3]:
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                k[name] += rows[name](p)
+                t[name] += time.perf_counter() - t0
+        for name in names:
+            per[name].append(round(k[name] / t[name], 3))
+        print(json.dumps({"repeat": r, **{x: per[x][-1] for x in names}}), file=sys.stderr, flush=True)
+    rate = {k: statistics.median(v) for k, v in per.items()}
     return {
         "prompts": len(ps),
         "max_tokens": max_tokens,
+        "repeats": repeats,
+        "pause_s": pause,
         "tokens_per_s": rate,
+        "tokens_per_s_each_repeat": per,
         "speculation_vs_verifier": round(rate["speculation"] / rate["verifier only"], 2),
         "speculation_vs_assisted": round(rate["speculation"] / rate["transformers assisted"], 2),
         "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "cpu_weights": cpu_layout(spec.verifier),
+        "tree": spec.tree.kind,
+        "load_average": [round(x, 1) for x in __import__("os").getloadavg()],
     }
 
 
@@ -258,11 +430,18 @@ def main() -> int:
         _rank(int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["parity", "speculation", "speed"])
+    ap.add_argument("what", choices=["parity", "speculation", "generate", "triton", "speed"])
     ap.add_argument("--engine", type=Path, default=ROOT / "engines" / "qwen2.5-coder" / "1")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=6, help="speed: how many of the 30 prompts")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="speed: rounds over the prompts")
+    ap.add_argument("--pause", type=float, default=1.0, help="speed: seconds between runs")
+    ap.add_argument("--limit", type=int, default=0, help="generate, triton: only this many prompts (0: all 30)")
+    ap.add_argument("--cli", type=int, default=2, help="generate: prompts also run as `bpcompile generate` commands")
+    ap.add_argument("--concurrency", type=int, default=8, help="triton: requests in flight")
+    ap.add_argument("--reference", type=Path, help="triton: a `generate --json-out` file to compare with")
+    ap.add_argument("--json-out", type=Path, help="also write the result here (generate: with every output)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     for which in ("verifier", "draft"):
@@ -276,12 +455,22 @@ def main() -> int:
                 print(json.dumps(res), flush=True)
                 ok &= res["tp1"] <= TOL and res["tp2"] <= TOL
         return 0 if ok else 1
-    if a.what == "speculation":
+    if a.what == "speed":
+        res = speed(a.engine, a.prompts, a.max_tokens, a.repeats, a.pause)
+    elif a.what == "speculation":
         res = speculation(a.engine, a.max_tokens)
-        print(json.dumps(res))
-        return 0 if res["identical"] == res["prompts"] else 1
-    print(json.dumps(speed(a.engine, a.prompts, a.max_tokens)))
-    return 0
+    elif a.what == "generate":
+        res = via_generate(a.engine, a.max_tokens, a.cli, a.limit)
+    else:
+        res = via_triton(a.engine, a.max_tokens, a.concurrency, a.reference, a.limit)
+    if a.json_out:
+        a.json_out.write_text(json.dumps(res))
+    print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
+    if a.what == "speed":
+        return 0
+    ok = res["identical"] == res["prompts"] and res.get("command_identical_to_in_process", True)
+    agree = all(v == res.get("compared_with_generate") for v in res.get("identical_to_generate", {}).values())
+    return 0 if ok and agree else 1
 
 
 if __name__ == "__main__":

@@ -131,26 +131,73 @@ def test_memory_pressure_evicts_and_recomputes(pair):
     assert all(a <= b for a, b in pairs) and any(a < b for a, b in pairs) and any(a > 0 for a, _ in pairs[20:])
 
 
-def test_quantized_plan_with_a_recent_window(pair):
-    """An INT4 plan with an 8-token exact window: off by default (outputs could differ); turned on, every prompt
-    computes at least its last 8 tokens (their exact copies are its own) and reuses whole pages before them, the
-    conversations complete, and every page comes back."""
-    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+def smollm2_like_plan(cfg: ModelConfig, window: int, sink: int = 0, group: int = 16):
+    """A KV plan with the kinds of units SmolLM2's default plan has (KLT6 / KLT5 keys before RoPE, INT3 and INT4
+    values, Hadamard rotation, an exact FP16 recent window), its tables shaped as calibration makes them."""
+    from bpcompile.compiler.calibrate import water_filling_bits
+    from bpcompile.runtime.kvcache import KVPlan
+    from bpcompile.runtime.model import rope_inv_freq
 
-    plan = replace(KVPlan.uniform("int4-naive", CFG.num_layers, CFG.num_kv_heads, CFG.head_size), recent_window=8)
-    assert not make(pair, None, kv_store_factory=kv_store_factory(plan)).prefix_reuse
-    gen = make(pair, None, kv_store_factory=kv_store_factory(plan), prefix_reuse=True)
-    system, users = conversations(8, 37, seed=3)
-    answers, stats = chat(gen, system, users)
-    hist, bound = [list(system) for _ in users], 0
-    for t in range(3):
-        for c, s in enumerate(stats[t]):
-            n = len(hist[c]) + len(users[c][t])
-            limit = (n - 8) // PAGE * PAGE
-            assert s.reused_tokens <= limit and s.reused_tokens % PAGE == 0
-            bound += 0 < s.reused_tokens == limit < 36  # the window, not the cache, stopped it
-            hist[c] = hist[c] + users[c][t] + answers[t][c]
-    assert bound and all(s.reused_tokens >= 36 for s in stats[2])
+    L, KV, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_size
+    g = torch.Generator().manual_seed(0)
+    prec = [{"k": ["klt6"] * KV, "v": ["int3"] * KV}, {"k": ["klt5"] * KV, "v": ["int4", "int3"][:KV]}][:L]
+    lam = torch.logspace(0, -3, D)
+    klt = {
+        "mean": torch.randn(L, KV, D, generator=g) * 0.1,
+        "weight": torch.rand(L, KV, D, generator=g) + 0.5,
+        "bits": torch.zeros(L, KV, D, dtype=torch.int8),
+        "step": torch.zeros(L, KV, D),
+        "level": torch.zeros(L, KV, D),
+        "basis": torch.zeros(L, KV, D, D, dtype=torch.float16),
+        "inv_freq": rope_inv_freq(cfg).float(),
+    }
+    for layer, p in enumerate(prec):
+        for h, x in enumerate(p["k"]):
+            b = water_filling_bits(lam, int(x[3]) * D)
+            klt["basis"][layer, h] = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0].half()
+            klt["bits"][layer, h], klt["step"][layer, h] = b.to(torch.int8), lam.sqrt() / 2.0 ** b.float()
+            klt["level"][layer, h] = torch.where(b == 1, lam.sqrt() * 0.8, 0.0)
+    return KVPlan(
+        "int4-fp8-outlier",
+        L,
+        KV,
+        D,
+        group,
+        prec,
+        k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
+        int4_clip=torch.ones(L, 2, KV),
+        rotation="hadamard",
+        k_mean=torch.randn(L, KV, D, generator=g) * 0.1,
+        sink_tokens=sink,
+        recent_window=window,
+        klt=klt,
+    )
+
+
+@pytest.mark.parametrize("window,sink,n", [(10, 0, 50), (6, 4, 16)])
+def test_quantized_plan_outputs_identical(pair, window, sink, n):
+    """SmolLM2's kinds of KV units (KLT keys, INT3 / INT4 values) with an exact recent window (and sink tokens):
+    on by default; 50 (16) conversations x 3 turns give the same greedy answers with reuse on and off, and a prompt
+    takes every full page before its last token, the recent window's included (the page's raw copies give the
+    rest of the prompt what a full prefill attends to, and the window's exact copies what it writes)."""
+    from bpcompile.runtime.kvcache import kv_store_factory
+
+    factory = kv_store_factory(smollm2_like_plan(CFG, window, sink))
+    system, users = conversations(n, 37, seed=3)
+    off, _ = chat(make(pair, None, kv_store_factory=factory, prefix_reuse=False), system, users)
+    gen = make(pair, None, kv_store_factory=factory)
+    assert gen.prefix_reuse and gen.vkv.shadow and gen.vkv.recent is not None
+    on, stats = chat(gen, system, users)
+    assert on == off
+    # turn 1: the system prompt's 9 pages although the window reaches into them (its last 2-8 user tokens);
+    # later turns: the full pages of the previous turn's prompt that the pool still holds (50 conversations'
+    # pages do not fit: the least recently used are evicted)
+    assert sorted(s.reused_tokens for s in stats[0]) == [0] + [36] * (n - 1)
+    prompt = [len(system) + len(u[0]) for u in users]
+    for t in (1, 2):
+        got, full = [s.reused_tokens for s in stats[t]], [n // PAGE * PAGE for n in prompt]
+        assert all(36 <= a <= b for a, b in zip(got, full)) and any(a == b for a, b in zip(got, full))
+        prompt = [n + len(a) + len(u[t]) for n, a, u in zip(prompt, on[t - 1], users)]
     assert gen.vkv.held_pages() == 0 and gen.vkv.available() == gen.vkv.capacity
 
 
@@ -166,3 +213,49 @@ def test_identical_prompts_admitted_together_take_one_extra_round(pair):
     res = gen.generate([system] * 8, SamplingParams(max_tokens=6))
     assert calls == [7] and len({tuple(t) for t, _ in res}) == 1
     assert [s.reused_tokens for _, s in res] == [0] + [36] * 7
+
+
+KERNEL_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+from conftest import noisy_copy, random_llama
+from test_prefix_reuse import chat, conversations, make, smollm2_like_plan
+from bpcompile.runtime.kvcache import kv_store_factory
+from bpcompile.runtime.model import ModelConfig
+
+torch.set_num_threads(1)
+cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=32,
+                  intermediate_size=128)
+v = random_llama(cfg, seed=0)
+pair = (v, noisy_copy(v, 0.3, seed=1))
+factory = kv_store_factory(smollm2_like_plan(cfg, 6, sink=2, group=32))
+system, users = conversations(2, 21, seed=5)
+off, _ = chat(make(pair, None, kv_store_factory=factory, prefix_reuse=False), system, users, max_tokens=3)
+gen = make(pair, None, kv_store_factory=factory)
+on, stats = chat(gen, system, users, max_tokens=3)
+print(json.dumps({"on": on, "off": off, "kernels": gen.vkv.kern is not None and gen.vkv.dense is None,
+                  "reused": [[s.reused_tokens for s in turn] for turn in stats]}))
+"""
+
+
+def test_quantized_plan_through_the_kernels():
+    """The same through the Triton kernels (Triton's interpreter on CPU; compiled on a GPU): a reused prompt's rest
+    attends to its prefix as computed, its exact copies (sink tokens, recent window) are written in the kernels'
+    rows, and greedy answers equal reuse off."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BPCOMPILE_KERNELS="triton", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, "-c", KERNEL_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=root
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "using the PyTorch path" not in r.stderr, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["kernels"]
+    assert out["on"] == out["off"]
+    assert sorted(out["reused"][0]) == [0, 20] and all(n >= 20 for n in out["reused"][1] + out["reused"][2])

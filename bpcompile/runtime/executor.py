@@ -29,7 +29,14 @@ class Executor:
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
         self.hidden: Optional[torch.Tensor] = None
+        # prefix reuse (set by the generator on every rank): a prefill keeps its K/V as computed, [L, B, T, KV, D]
+        # each, in `raw` for the pages it publishes where the store keeps another form (`PagedKV.raw_pages`);
+        # raw_ids: the requests of that prefill (rank 0)
+        self.reuse = False
+        self.raw: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.raw_ids: list[str] = []
         self.chunks: dict[str, tuple] = {}  # a prompt prefilling in chunks: its K/V as computed (`chunk_begin`)
+        self.chunk_starts: dict[str, int] = {}  # and the reused prefix it started after
         # a few queries a sequence on CPU (decode steps, tree verifies) over a float32 dense view: bpcompile's kernel
         # puts the new entries into the float cache (a float store) or the exact copies (a plan with a recent
         # window: decode steps of one sequence only) and attends, one call per sequence and layer
@@ -77,6 +84,7 @@ class Executor:
                 torch.arange(T, device=dev).repeat(B),
             )
         same = len(set(lens)) == 1
+        self.raw_ids = [r.id for r in reqs]
         logits = self._call(
             "run_prefill",
             tok,
@@ -105,15 +113,62 @@ class Executor:
         if kv.dense is not None:
             kv.dense.reserve(dense_width)
         prompt_pos = torch.arange(T, device=tok.device).repeat(B)  # the model's prefill positions
+        cap = self._capture()
 
         def attend(layer, q, k, v):
             # Right padding: real tokens never see the padding under a causal mask. The prompt attends to
             # its unquantized K/V (as TensorRT-LLM's context phase does); the cache keeps the stored form.
             kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, prompt_pos)
+            if cap is not None:
+                cap.append((k, v))
             return causal_attend(q, k, v)
 
         with kv.batched_writes(own_exact=True):
-            return self._model(tok, None, attend, feats, last_only=last_only)
+            out = self._model(tok, None, attend, feats, last_only=last_only)
+        self._captured(cap)
+        return out
+
+    def _capture(self) -> Optional[list]:
+        self.raw = None
+        return [] if self.reuse and self.kv.shadow else None
+
+    def _captured(self, cap: Optional[list]) -> None:
+        if cap:
+            self.raw = (torch.stack([k for k, _ in cap]), torch.stack([v for _, v in cap]))
+
+    def adopt(self, rid: str, pages: list[int]) -> None:
+        """A new sequence starts from cached pages (prefix reuse): rank 0's bookkeeping, then every rank fills the
+        sequence's dense view row and exact copies from its own copies of the pages (`PagedKV.fill`)."""
+        self.kv.adopt_pages(rid, pages)
+        if pages and rid in self.kv.rows:
+            self._call("run_adopt", self.kv.rows[rid], torch.tensor(pages, dtype=torch.int64))
+
+    def run_adopt(self, row: int, pages: torch.Tensor) -> None:
+        self.kv.fill(row, pages.tolist())
+
+    def publish(self, items: list[tuple[Request, int, list[bytes]]], aux=None) -> None:
+        """Cache the full prompt pages of prefilled requests, items (request, entries it reused, its block
+        hashes); aux(b): `PagedKV.publish`'s aux of item b. Every rank keeps its copies of the new pages
+        (`run_publish`). A request the last prefill did not compute (no copy of what it attended to, where the
+        store keeps another form) publishes nothing: its pages stay private."""
+        kv, new = self.kv, []
+        for j, (r, start, hashes) in enumerate(items):
+            if kv.shadow and (self.raw is None or r.id not in self.raw_ids):
+                continue
+            b = self.raw_ids.index(r.id) if r.id in self.raw_ids else 0
+            for i, page in kv.publish(r.id, hashes, aux(j) if aux is not None else None):
+                new.append([page, kv.rows.get(r.id, -1), b, i * kv.ps, i * kv.ps - start])
+        if new:
+            self._call("run_publish", torch.tensor(new, dtype=torch.int64))
+
+    def run_publish(self, new: torch.Tensor) -> None:
+        """new [N, 5]: (page, dense row, batch index in the last prefill, first logical entry, its index there)."""
+        kv, ps = self.kv, self.kv.ps
+        for page, row, b, at, i in new.tolist():
+            raw = None
+            if kv.shadow:
+                raw = tuple(x[:, b, i : i + ps].transpose(1, 2).clone() for x in self.raw)
+            kv.keep(page, row, at, raw)
 
     def prefill_cached(
         self, reqs: list[Request], starts: list[int], last_logits: bool = True, feats: Optional[torch.Tensor] = None
@@ -133,16 +188,16 @@ class Executor:
             [[kv.slot(r.id, i) for i in range(m, m + t)] + [0] * (T - t) for r, m, t in zip(reqs, starts, lens)],
             device=dev,
         ).reshape(-1)
-        at = rows = None
-        if kv.dense is not None:
+        at = None
+        if kv.dense is not None or kv.recent is not None:  # under the kernels a plan's exact copies are by row too
+            null = kv.dense.null if kv.dense is not None else kv.recent.rows
             rows = [kv.rows[r.id] for r in reqs]
             at = (
-                torch.tensor([[row] * t + [kv.dense.null] * (T - t) for row, t in zip(rows, lens)], device=dev).view(
-                    -1
-                ),
+                torch.tensor([[row] * t + [null] * (T - t) for row, t in zip(rows, lens)], device=dev).view(-1),
                 pos.reshape(-1),
             )
         same = len(set(lens)) == 1
+        self.raw_ids = [r.id for r in reqs]
         logits = self._call(
             "run_prefill_cached",
             same or not last_logits,
@@ -150,7 +205,7 @@ class Executor:
             pos,
             flat,
             at,
-            kv.block_tables([r.id for r in reqs], dev) if kv.dense is None else None,
+            kv.block_tables([r.id for r in reqs], dev),
             torch.tensor(starts, device=dev),
             torch.tensor(lens, device=dev),
             self._dense_width(),
@@ -165,56 +220,68 @@ class Executor:
     ) -> torch.Tensor:
         kv, (B, T) = self.kv, tok.shape
         flat_pos = pos.reshape(-1)
+        st, ln = starts.tolist(), lens.tolist()
+        cap = self._capture()
         if kv.dense is not None:
             kv.dense.reserve(dense_width)
-            rows = at[0].view(B, T)[:, 0].tolist()
-            st, ln = starts.tolist(), lens.tolist()
+        # The prefix as a full prefill attends to it: as computed (the pages' raw copies) where the store keeps
+        # another form, else the dense view (which holds exactly what was computed)
+        raw = [kv.raw_prefix(tables[b, : st[b] // kv.ps].tolist()) for b in range(B)] if kv.shadow else None
+        rows = at[0].view(B, T)[:, 0].tolist() if raw is None else None
 
-            def attend(layer, q, k, v):
-                kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
-                o = q.new_zeros(q.shape)  # padding rows: zeros (nothing reads them)
-                for b in range(B):
-                    m, t = st[b], ln[b]
-                    kd, vd = kv.dense.read(layer, [rows[b]], m)  # the prefix as the store holds it
-                    kk = torch.cat((kd.to(q.dtype), k[b : b + 1, :t].transpose(1, 2)), 2)
-                    vv = torch.cat((vd.to(q.dtype), v[b : b + 1, :t].transpose(1, 2)), 2)
-                    rep = q.shape[2] // k.shape[2]
-                    hidden = torch.ones(t, m + t, dtype=torch.bool, device=q.device).triu(m + 1)
-                    o[b, :t] = dense_attention(q[b : b + 1, :t], kk, vv, hidden.repeat_interleave(rep, 0)[None, None])[
-                        0
-                    ]
-                return o
-        else:  # the kernels (or the reference) over the pages: the new tokens are the tree region, causal
-            batch = AttnBatch(tables, starts, lens, lens, None, kv.ps)
-
-            def attend(layer, q, k, v):
-                kv.write(
-                    layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), positions=flat_pos
-                )
-                return paged_attention(q, kv.store, layer, batch, kv.kern)
+        def attend(layer, q, k, v):
+            kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), at, flat_pos)
+            if cap is not None:
+                cap.append((k, v))
+            o = q.new_zeros(q.shape)  # padding rows: zeros (nothing reads them)
+            rep = q.shape[2] // k.shape[2]
+            for b in range(B):
+                m, t = st[b], ln[b]
+                if raw is not None:
+                    kd, vd = raw[b][0][layer][None], raw[b][1][layer][None]
+                else:
+                    kd, vd = kv.dense.read(layer, [rows[b]], m)
+                kk = torch.cat((kd.to(q.dtype), k[b : b + 1, :t].transpose(1, 2)), 2)
+                vv = torch.cat((vd.to(q.dtype), v[b : b + 1, :t].transpose(1, 2)), 2)
+                hidden = torch.ones(t, m + t, dtype=torch.bool, device=q.device).triu(m + 1)
+                o[b, :t] = dense_attention(q[b : b + 1, :t], kk, vv, hidden.repeat_interleave(rep, 0)[None, None])[0]
+            return o
 
         with kv.batched_writes(own_exact=True):
-            return self._model(tok, pos, attend, feats, last_only=last_only)
+            out = self._model(tok, pos, attend, feats, last_only=last_only)
+        self._captured(cap)
+        return out
 
     def chunk_begin(self, r: Request, start: int) -> None:
         """Before r's prompt prefills in chunks (runtime/chunked.py) from entry `start` (a reused prefix before it):
         its pages, and a copy of its K/V [layers, KV, prompt, D] in the compute dtype that the chunks attend to, as
         computed (an unchunked prefill attends to the prompt's K/V before the store quantizes them); the reused
-        prefix enters it in its stored form (as `prefill_cached` reads it)."""
+        prefix enters it as computed too (`PagedKV.raw_pages`, as `prefill_cached` reads it), or as stored where
+        the store keeps exactly what was computed."""
         kv, n = self.kv, len(r.prompt)
         kv.ensure(r.id, n + self.lookahead)
         s = kv.store
         shape = (s.num_layers, s.num_kv_heads, n, s.head_size)
         k, v = (torch.empty(shape, dtype=self.model.dtype, device=self.device) for _ in range(2))
-        if start:
+        if start and kv.shadow:
+            pk, pv = kv.raw_prefix(kv.tables[r.id][: start // kv.ps])
+            k[:, :, :start], v[:, :, :start] = pk, pv
+        elif start:
             slots = torch.tensor([kv.slot(r.id, i) for i in range(start)], device=self.device)
             for layer in range(s.num_layers):
                 sk, sv = s.read(layer, slots)
                 k[layer, :, :start], v[layer, :, :start] = sk.transpose(0, 1), sv.transpose(0, 1)
         self.chunks[r.id] = (k, v)
+        self.chunk_starts[r.id] = start
 
     def chunk_end(self, rid: str) -> None:
-        self.chunks.pop(rid, None)
+        """r's chunks are done (or it is dropped): its copy goes, or, with prefix reuse where the store keeps
+        another form, becomes what `publish` keeps of its pages (the K/V of the prompt past its reused prefix,
+        laid out as a prefill's `raw`)."""
+        kv_copy, start = self.chunks.pop(rid, None), self.chunk_starts.pop(rid, 0)
+        if kv_copy is not None and self.reuse and self.kv.shadow:
+            self.raw = tuple(x[:, None, :, start:].transpose(2, 3) for x in kv_copy)
+            self.raw_ids = [rid]
 
     def prefill_chunk(
         self, r: Request, start: int, n: int, last_logits: bool, feats: Optional[torch.Tensor] = None

@@ -103,9 +103,8 @@ class Generator:
         executor: "torch" (the models' modules) or "onnxruntime" (their exported step graphs, found in
         graphs/verifier and graphs/draft; bpcompile/compiler/onnx_export.py).
         prefix_reuse: start a prompt from the cached pages of its leading full pages where an earlier prompt
-        computed them (`PagedKV` prefix reuse; never with the onnxruntime executor or a plan with sink tokens).
-        None: where outputs stay identical, i.e. float caches (with a quantized plan the rest of the prompt
-        reads the reused prefix in its stored form, where a full prefill reads it unquantized).
+        computed them (`PagedKV` prefix reuse; never with the onnxruntime executor). None: on (outputs equal
+        reuse off for every KV plan: the rest of a prompt attends to the prefix as it was computed).
         salt: what identifies the engine in the pages' block hashes.
         prefill_chunk: prompt tokens prefilled per step at most (chunked.py), interleaved with the running
         sequences' steps; 0: every admitted prompt prefills whole in the step that admits it."""
@@ -163,19 +162,13 @@ class Generator:
         self.dkv = self.d_exec.kv if self.d_exec is not None else None
         self.scheduler = Scheduler(max_batch_size, self.vkv.capacity)
         self.spec = SpeculativeStep(self.v_exec, self.d_exec, self.tree, backoff=backoff)
-        plans = [getattr(k.store, "plan", None) for k in (self.vkv, self.dkv) if k is not None]
-        # A plan's sink entries have exact copies that a reused page does not bring along; its recent window's
-        # copies are rewritten by the prompt's own tail (`_reuse_limit`).
-        if prefix_reuse is None:
-            prefix_reuse = all(p is None for p in plans)
-        self.prefix_reuse = (
-            prefix_reuse
-            and executor == "torch"
-            and all(p is None or not p.sink_tokens for p in plans)
-            # under the kernels a reused prompt's rest attends through them, which read no exact copies then
-            and all(k.kern is None or k.recent is None for k in (self.vkv, self.dkv) if k is not None)
-        )
-        self.window = max([p.recent_window for p in plans if p is not None and p.has_exact] or [0])
+        # A reused page brings the K/V its prefill computed (`PagedKV.raw_pages`) where the store keeps another
+        # form, so the rest of the prompt attends as a full prefill does and a plan's exact copies (sink, recent
+        # window) are the ones that prefill would write: outputs are identical for every KV plan.
+        self.prefix_reuse = prefix_reuse is not False and executor == "torch"
+        for ex in (self.v_exec, self.d_exec):
+            if ex is not None:
+                ex.reuse = self.prefix_reuse
         self._salts = {
             role: f"{salt}|{role}|{type(k.store).__name__}|{getattr(k.store, 'dtype', '')}|{_plan_key(k.store)}".encode()
             for role, k in (("verifier", self.vkv), ("draft", self.dkv))
@@ -203,6 +196,7 @@ class Generator:
         tp: Optional[int] = None,
         pack: bool = True,
         verify: Optional[bool] = None,
+        prefix_reuse: Optional[bool] = None,
         _rank: int = 0,
         _group=None,
     ) -> "Generator":
@@ -221,6 +215,7 @@ class Generator:
         verify: first check the version's files against its manifest.json (core/store.py `verify_version`:
         UserError naming a changed file; about 1-2 s per GB); default: yes unless $BPCOMPILE_VERIFY is 0. A
         directory without a manifest (assembled by hand, not published by a build) has nothing to check against.
+        prefix_reuse: overrides the engine's runtime.prefix_reuse (None: the engine's).
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if verify_enabled(verify) and _rank == 0 and (d / MANIFEST).is_file():  # before rank 0 starts the others
@@ -286,7 +281,7 @@ class Generator:
         if tp > 1 and _rank == 0:
             from bpcompile.runtime import tp as tensor_parallel
 
-            peers = tensor_parallel.launch(d, tp, {"tree": asdict(tree)}, device)
+            peers = tensor_parallel.launch(d, tp, {"tree": asdict(tree), "prefix_reuse": prefix_reuse}, device)
             group = peers.group
         try:
             load = (
@@ -320,10 +315,11 @@ class Generator:
                 backoff=spec.backoff,
                 executor=executor,
                 graphs=d / "onnx",
-                # each rank's pages would need rank 0's reuse decisions: tp > 1 computes every prompt
-                prefix_reuse=False
-                if tp > 1
-                else {"auto": None}.get(cfg.runtime.prefix_reuse, cfg.runtime.prefix_reuse),
+                # at tp > 1 rank 0 decides which pages a prompt reuses; every rank keeps and fills its own
+                # heads' copies of them (Executor.adopt / publish over the tensor channel)
+                prefix_reuse={"auto": None}.get(cfg.runtime.prefix_reuse, cfg.runtime.prefix_reuse)
+                if prefix_reuse is None
+                else prefix_reuse,
                 salt=_engine_salt(d),
                 # a chunk's K/V copy is rank 0's alone (the tensor-parallel channel does not carry it)
                 prefill_chunk=cfg.runtime.prefill_chunk if tp == 1 else 0,
@@ -494,9 +490,9 @@ class Generator:
                     later.append(r)
                     continue
                 coming.update(hv[n:])
-                self.vkv.adopt(r.id, pv[:n])
-                if self.dkv is not None:
-                    self.dkv.adopt(r.id, pd[:n])
+                self.v_exec.adopt(r.id, pv[:n])
+                if self.d_exec is not None:
+                    self.d_exec.adopt(r.id, pd[:n])
                 now.append((r, n * self.page_size, hv, hd))
             full = [x for x in now if x[1] == 0]
             cached = [x for x in now if x[1] > 0]
@@ -508,22 +504,23 @@ class Generator:
 
     def _reuse_limit(self, r: Request) -> int:
         """Full pages of r's prompt it may take from the cache: at least one token is computed (its logits
-        pick the first output), the prompt's last `window` tokens are (their exact copies are the sequence's
-        own), and a request for every prompt position's logits computes them all."""
+        pick the first output), and a request for every prompt position's logits computes them all."""
         if r.params.context_logits:
             return 0
-        return max(0, min(len(r.prompt) - 1, len(r.prompt) - self.window)) // self.page_size
+        return (len(r.prompt) - 1) // self.page_size
 
     def _publish(self, group: list) -> None:
         """Cache the full prompt pages of a prefilled group; a feature draft's verifier pages keep their last
         token's feature (the draft's row after a reused prefix reads it)."""
         feats = self.spec.features and self.d_exec is not None
         h = self.v_exec.hidden if feats else None
-        for b, (r, start, hv, hd) in enumerate(group):
-            aux = (lambda i, b=b, start=start: h[b, (i + 1) * self.page_size - 1 - start].clone()) if feats else None
-            self.vkv.publish(r.id, hv, aux)
-            if self.dkv is not None:
-                self.dkv.publish(r.id, hd)
+        aux = None
+        if feats:
+            aux = lambda b: lambda i: h[b, (i + 1) * self.page_size - 1 - group[b][1]].clone()  # noqa: E731
+        self.v_exec.publish([(r, start, hv) for r, start, hv, _ in group], aux)
+        if self.d_exec is not None:
+            self.d_exec.publish([(r, start, hd) for r, start, _, hd in group])
+        for r, start, *_ in group:
             self.prefix_stats["requests"] += 1
             self.prefix_stats["prompt_tokens"] += len(r.prompt)
             self.prefix_stats["reused_tokens"] += start

@@ -202,6 +202,13 @@ class PagedKV:
         # page copies them instead of dequantizing the page again (which costs a quantized plan's CPU path about
         # as much as computing the tokens); host-side copies like the dense view itself, not bytes of record
         self.dense_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # page -> its entries as the prefill that computed them attended to them (k, v [L, KV, page, D] in the
+        # compute dtype), where the store keeps another form (a quantized plan, an FP16 cache of a float32
+        # model): the rest of a prompt that reuses the page attends to these, as a full prefill attends to the
+        # whole prompt's unquantized K/V, so its outputs equal reuse off; a plan's exact copies of the page's
+        # entries (sink, recent window) come from them too. Host-side copies, not bytes of record.
+        self.raw_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.shadow = not (self.dense is not None and self.dense.plain and self.dense.dtype == store.dtype)
         self.lru: OrderedDict[int, None] = OrderedDict()  # published pages with no reference, oldest first
         self.evicted = 0  # published pages dropped to make room
 
@@ -221,6 +228,7 @@ class PagedKV:
             del self.cached[self.hash_of.pop(page)]
             self.aux.pop(page, None)
             self.dense_pages.pop(page, None)
+            self.raw_pages.pop(page, None)
             self.evicted += 1
         self.refs[page] = 1
         return page
@@ -278,34 +286,57 @@ class PagedKV:
 
     def adopt(self, rid: str, pages: list[int]) -> None:
         """A new sequence starts with these cached pages (its first len(pages) * page_size entries): referenced,
-        not evictable while it holds them; its dense view row gets what the store holds for them."""
+        not evictable while it holds them; its dense view row gets what the store holds for them, its exact
+        copies what its prefill would have written (`fill`)."""
+        self.adopt_pages(rid, pages)
+        if pages and rid in self.rows:
+            self.fill(self.rows[rid], pages)
+
+    def adopt_pages(self, rid: str, pages: list[int]) -> None:
+        """adopt's bookkeeping (rank 0's, with tensor parallelism: every rank runs `fill`)."""
         assert not self.tables.get(rid), "adopt() starts a sequence"
         for page in pages:
             self.lru.pop(page, None)
             self.refs[page] = self.refs.get(page, 0) + 1
         self.tables[rid] = list(pages)
-        if self.dense is not None and pages:
+        if pages and (self.dense is not None or self.recent is not None):
             self.ensure(rid, len(pages) * self.ps)
-            n = len(pages) * self.ps
-            slots = torch.tensor(pages, device=self.dense.device)[:, None] * self.ps + torch.arange(
-                self.ps, device=self.dense.device
-            )
-            slots = slots.reshape(-1)
-            row = self.rows[rid]
+
+    def fill(self, row: int, pages: list[int]) -> None:
+        """Row `row` of the dense view and of the exact copies gets what a prefill of the pages' tokens would
+        have put there: the store's entries (dequantized) and, from the pages' raw copies, the exact ones."""
+        n = len(pages) * self.ps
+        if self.dense is not None:
+            self.dense.reserve(n)
             if all(p in self.dense_pages for p in pages):
                 self.dense.k[:, row, :, :n] = torch.cat([self.dense_pages[p][0] for p in pages], 2)
                 self.dense.v[:, row, :, :n] = torch.cat([self.dense_pages[p][1] for p in pages], 2)
-                return
+            else:
+                slots = torch.tensor(pages, device=self.dense.device)[:, None] * self.ps + torch.arange(
+                    self.ps, device=self.dense.device
+                )
+                for layer in range(self.store.num_layers):
+                    k, v = self.store.read(layer, slots.reshape(-1))
+                    self.dense.k[layer, row, :, :n] = k.transpose(0, 1).to(self.dense.dtype)
+                    self.dense.v[layer, row, :, :n] = v.transpose(0, 1).to(self.dense.dtype)
+        if self.recent is not None:
+            k, v = self.raw_prefix(pages)
+            dev = self.recent.k.device
+            rows, idx = torch.full((n,), row, device=dev), torch.arange(n, device=dev)
             for layer in range(self.store.num_layers):
-                k, v = self.store.read(layer, slots)
-                self.dense.k[layer, row, :, :n] = k.transpose(0, 1).to(self.dense.dtype)
-                self.dense.v[layer, row, :, :n] = v.transpose(0, 1).to(self.dense.dtype)
+                self.recent.write(layer, rows, idx, k[layer].transpose(0, 1), v[layer].transpose(0, 1))
 
-    def publish(self, rid: str, hashes: list[bytes], aux: Optional[Callable[[int], torch.Tensor]] = None) -> None:
+    def raw_prefix(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw copies of these pages end to end: k, v [L, KV, len(pages) * page_size, D]."""
+        return tuple(torch.cat([self.raw_pages[p][i] for p in pages], 2) for i in (0, 1))
+
+    def publish(
+        self, rid: str, hashes: list[bytes], aux: Optional[Callable[[int], torch.Tensor]] = None
+    ) -> list[tuple[int, int]]:
         """The sequence's first len(hashes) pages hold those blocks (written, never written again): cache them.
         A block already cached under another page stays private to this sequence. aux(i): what to keep with
-        block i (see `aux`)."""
-        table = self.tables[rid]
+        block i (see `aux`). -> the (block index, page) pairs now cached: their copies are taken by `keep`."""
+        table, out = self.tables[rid], []
         for i, h in enumerate(hashes):
             page = table[i]
             if h in self.cached or page in self.hash_of:
@@ -314,17 +345,26 @@ class PagedKV:
             self.hash_of[page] = h
             if aux is not None:
                 self.aux[page] = aux(i)
-            if self.dense is not None:
-                row, at = self.rows[rid], slice(i * self.ps, (i + 1) * self.ps)
-                self.dense_pages[page] = (self.dense.k[:, row, :, at].clone(), self.dense.v[:, row, :, at].clone())
+            out.append((i, page))
+        return out
+
+    def keep(self, page: int, row: int, at: int, raw: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copies of a page just cached, its block at logical entries [at, at + page_size) of dense row `row`:
+        the dense view's entries (`dense_pages`) and raw (k, v [L, KV, page, D]: `raw_pages`)."""
+        if self.dense is not None:
+            sl = slice(at, at + self.ps)
+            self.dense_pages[page] = (self.dense.k[:, row, :, sl].clone(), self.dense.v[:, row, :, sl].clone())
+        if raw is not None:
+            self.raw_pages[page] = raw
 
     def held_pages(self) -> int:
         """Pages some sequence references (shared ones once)."""
         return len(self.refs)
 
     def dense_pages_nbytes(self) -> int:
-        """Bytes of the cached pages' dense copies (`dense_pages`)."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.dense_pages.values())
+        """Bytes of the cached pages' host-side copies (`dense_pages`, `raw_pages`)."""
+        pages = list(self.dense_pages.values()) + list(self.raw_pages.values())
+        return sum(k.numel() * k.element_size() * 2 for k, _ in pages)
 
     def release(self, rid: str) -> None:
         self.truncate(rid, 0)
