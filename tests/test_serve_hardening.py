@@ -74,14 +74,20 @@ class Serve:
         _started.append(self)
         deadline = time.monotonic() + 240
         # ready: the ensemble answers and serve has printed its endpoints (the last being the log)
-        while self.status("/v2/models/ensemble/ready") != 200 or not re.search(r"^log\s", self.stderr(), re.M):
+        while self.status("/v2/models/ensemble/ready") != 200 or not re.search(r"^log\s", self.messages(), re.M):
             assert self.proc.poll() is None, f"serve exited {self.proc.returncode}:\n{self.stderr()}"
             assert time.monotonic() < deadline, self.stderr()
             time.sleep(0.25)
-        self.log = Path(re.search(r"^log\s+(\S+)", self.stderr(), re.M).group(1))
+        self.log = re.search(r"^log\s+(\S+)", self.messages(), re.M).group(1)  # "stderr" unless --log-file
 
     def stderr(self) -> str:
         return self.err_file.read_text(errors="replace")
+
+    def messages(self) -> str:
+        """stderr's messages, one a line (the message of each line that is a JSON object: --log-format json)."""
+        return "\n".join(
+            json.loads(line)["message"] if line.startswith("{") else line for line in self.stderr().splitlines()
+        )
 
     @property
     def triton_pid(self) -> int:
@@ -204,7 +210,8 @@ def test_default_serve_is_closed_ignores_planted_stub_and_drains_on_sigterm(repo
     assert re.search(rf"^openai\s+http://127.0.0.1:{oai}/v1$", s.stderr(), re.M), s.stderr()
     with urllib.request.urlopen(f"http://127.0.0.1:{oai}/v1/models", timeout=30) as r:
         assert json.loads(r.read())["data"][0]["id"] == "tiny"
-    backends = Path(re.search(r'"backend-directory":"([^"]+)"', s.log.read_text()).group(1))
+    assert s.log == "stderr"  # tritonserver's log passes through serve's stderr by default
+    backends = Path(re.search(r'"backend-directory":"([^"]+)"', s.stderr()).group(1))
     assert backends.parent.parent == tmpdir and backends.parent.name.startswith("bpcompile-serve-")
     assert stat.S_IMODE(backends.parent.stat().st_mode) == 0o700 and backends.parent.stat().st_uid == os.getuid()
 
@@ -250,8 +257,18 @@ def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(
 
     token = secrets.token_urlsafe(24)
     evil_ran = tmp_path / "evil-ran"
-    s = Serve(repo, tmp_path, "--model-control", "explicit", env={"BPCOMPILE_REPOSITORY_TOKEN": token})
+    s = Serve(
+        repo, tmp_path, "--model-control", "explicit", "--log-format", "json", env={"BPCOMPILE_REPOSITORY_TOKEN": token}
+    )
     assert token not in s.stderr()  # given in the environment: not echoed
+    # --log-format json: every stderr line is one JSON object, tritonserver's (with its pid and source) and ours
+    records = [json.loads(line) for line in s.stderr().splitlines()]
+    assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+    triton = [r for r in records if r["logger"] == "tritonserver"]
+    loaded = [r for r in triton if r["message"].startswith("generator: engine version 1")]  # the model's own line
+    assert loaded and loaded[0]["level"] == "INFO" and re.fullmatch(r"\S+\.py:\d+", loaded[0]["source"]), loaded
+    assert isinstance(loaded[0]["pid"], int)
+    assert any(r["logger"] == "bpcompile.serve" and r["message"].startswith("tritonserver pid") for r in records)
     body = _evil_load_body(evil_ran)
     assert s.status("/v2/repository/models/evil/load", body) == 403
     assert s.status("/v2/repository/models/evil/load", body, {"bpcompile-repository-token": "x" * 32}) == 403

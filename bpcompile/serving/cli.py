@@ -169,6 +169,20 @@ def emit(
     "write into its model processes' memory and abort it). Default: it needs the repository token.",
 )
 @click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="tritonserver's and bpcompile's log lines on stderr: as text, or one JSON object per line (time, level, "
+    "logger, message; tritonserver's also pid and source) for a log collector.",
+)
+@click.option(
+    "--log-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write tritonserver's log to this file instead of stderr (bpcompile's own lines stay on stderr).",
+)
+@click.option(
     "--device",
     type=click.Choice(["cpu", "cuda", "auto"]),
     default=None,
@@ -189,6 +203,8 @@ def serve(
     device,
     health_port,
     open_shared_memory,
+    log_format,
+    log_file,
 ):
     """Serve REPO with tritonserver until SIGINT / SIGTERM. The engine versions REPO holds are first checked
     against their manifests (exit 2 naming a changed file; --no-verify skips it).
@@ -209,9 +225,12 @@ def serve(
         health_port=health_port,
     )
 
+    from bpcompile.serving.logs import configure
+
+    logger = configure(log_format)
     placed = set_device(repo, device)
     if placed["changed"]:
-        click.echo(f"{repo}: the generator now runs on {placed['device']} (device {placed['setting']})", err=True)
+        logger.info(f"{repo}: the generator now runs on {placed['device']} (device {placed['setting']})")
 
     code = _serve(
         repo,
@@ -222,7 +241,9 @@ def serve(
         model_control=model_control,
         repository_token=repository_token,
         drain_timeout=drain_timeout,
-        log=lambda s: click.echo(s, err=True),
+        log=logger.info,
+        log_file=log_file,
+        log_format=log_format,
         openai_port=openai_port,
         health_port=health_port,
         open_shared_memory=open_shared_memory,

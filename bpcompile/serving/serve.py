@@ -24,8 +24,10 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -266,7 +268,10 @@ class ServerProcess:
     """A running tritonserver; a context manager (`with ServerProcess(repo) as s: s.http_url`).
 
     `repository_token` (generated when not given) is what the restricted APIs ask for (see server_command).
-    Model instances that die (killed, crashed) without being unloaded are reported by dead_instances()."""
+    Model instances that die (killed, crashed) without being unloaded are reported by dead_instances().
+
+    Its log: to `log_file` when given, else to this process's stderr; log_format "json" writes one JSON object per
+    line (serving/logs.py) instead of tritonserver's text. Either way log_tail() has the last lines."""
 
     def __init__(
         self,
@@ -284,15 +289,19 @@ class ServerProcess:
         log_verbose=0,
         exit_timeout=30,
         open_shared_memory=False,
+        log_format="text",
     ):
         self.repo_dir, self.host, self.model_control = repo_dir, host, model_control
+        self.log_format = log_format
+        self.tail: deque = deque(maxlen=400)  # the last lines, when they pass through this process
+        self.pump: Optional[threading.Thread] = None
         self.open_shared_memory = open_shared_memory
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.repository_token = repository_token or secrets.token_urlsafe(24)
         self.load_models, self.log_verbose, self.exit_timeout = load_models, log_verbose, exit_timeout
-        self.log_file = Path(log_file) if log_file else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.log_file = Path(log_file) if log_file else None
         self.startup_timeout = startup_timeout
         self.proc: Optional[subprocess.Popen] = None
         # a client's shared-memory regions live in the real /dev/shm: an open API needs the server to see it
@@ -317,8 +326,39 @@ class ServerProcess:
             "http": f"http://{self.http_url}",
             "grpc": self.grpc_url,
             "metrics": self.metrics_url,
-            "log": str(self.log_file),
+            "log": self.log_where,
         }
+
+    @property
+    def log_where(self) -> str:
+        return str(self.log_file) if self.log_file else "stderr"
+
+    def _log_lines(self, pipe, out) -> None:
+        """tritonserver's output (and its stubs', which share it), line by line, to `out` as text or JSON."""
+        from bpcompile.serving.logs import TritonLines
+
+        fmt = TritonLines() if self.log_format == "json" else None
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.tail.append(line)
+            try:
+                out.write((fmt(line) if fmt else line) + "\n")
+                out.flush()
+            except (OSError, ValueError):  # our stderr closed: keep draining, or tritonserver blocks on a full pipe
+                pass
+        pipe.close()
+
+    def _note(self, message: str) -> None:
+        """A line of our own in tritonserver's log."""
+        from bpcompile.serving.logs import json_line
+
+        line = json_line("INFO", "bpcompile.serve", message) if self.log_format == "json" else f"bpcompile: {message}"
+        self.tail.append(line)
+        if self.log_file:
+            with open(self.log_file, "a") as log:
+                log.write(line + "\n")
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def start(self) -> "ServerProcess":
         self.run_dir = Path(tempfile.mkdtemp(prefix="bpcompile-serve-"))
@@ -339,26 +379,36 @@ class ServerProcess:
                 open_shared_memory=self.open_shared_memory,
                 private_shm=self.private_shm,
             )
-            with open(self.log_file, "ab") as log:
+            # tritonserver writes a text log file itself; anything else passes through a thread of ours
+            direct = self.log_file is not None and self.log_format == "text"
+            out = open(self.log_file, "ab" if direct else "a") if self.log_file else sys.stderr
+            try:
                 # own process group: a terminal's Ctrl-C reaches only us, and we stop the server deliberately
                 # the repository is the working directory: TensorRT-LLM engine paths in it are relative to it
                 self.proc = subprocess.Popen(
                     self.cmd,
                     env=env,
-                    stdout=log,
+                    stdout=out if direct else subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     cwd=str(Path(self.repo_dir).resolve()),
                     umask=UMASK,
                 )
+            finally:
+                if direct:
+                    out.close()
+            if not direct:
+                self.pump = threading.Thread(
+                    target=self._log_lines, args=(self.proc.stdout, out), name="tritonserver-log", daemon=True
+                )
+                self.pump.start()
             self.wait_ready()
             self.protect_regions()
             if not self.private_shm:
-                with open(self.log_file, "a") as log:
-                    log.write(
-                        "bpcompile: no private /dev/shm for tritonserver (not root, or --open-shared-memory): its "
-                        "shared-memory regions are mode 0600 from a moment after their creation\n"
-                    )
+                self._note(
+                    "no private /dev/shm for tritonserver (not root, or --open-shared-memory): its "
+                    "shared-memory regions are mode 0600 from a moment after their creation"
+                )
         except BaseException:
             self.stop(drain_timeout=0)
             raise
@@ -384,6 +434,8 @@ class ServerProcess:
         raise TimeoutError(f"tritonserver not ready after {self.startup_timeout:.0f}s; log:\n{self.log_tail()}")
 
     def log_tail(self, n=60) -> str:
+        if self.pump is not None or self.log_file is None:
+            return "\n".join(list(self.tail)[-n:])
         try:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -574,6 +626,7 @@ def serve(
     drain_timeout=30.0,
     log=print,
     log_file=None,
+    log_format="text",
     openai_port=None,
     health_port=None,
     open_shared_memory=False,
@@ -615,6 +668,7 @@ def serve(
         repository_token=repository_token,
         log_file=log_file,
         open_shared_memory=open_shared_memory,
+        log_format=log_format,
     )
     health = Health(s)
     signals = []
@@ -635,7 +689,7 @@ def serve(
                 "--openai-port", openai_port, lambda: OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port)
             )
             frontend.health = health.problem
-        log(f"starting tritonserver (log: {s.log_file})")
+        log(f"starting tritonserver (log: {s.log_where})")
         s.start()
         health.started = True
         log(f"tritonserver pid {s.proc.pid}, model control {model_control}")
@@ -645,7 +699,7 @@ def serve(
         extra = {"openai": frontend and frontend.url, "health": checker and checker.url}
         # before the log line, which supervisors and tests take as "ready"
         ends = {**{k: v for k, v in ends.items() if k != "log"}, **{k: v for k, v in extra.items() if v}}
-        ends["log"] = str(s.log_file)
+        ends["log"] = s.log_where
         for k, v in ends.items():
             log(f"{k:8s} {v}")
         apis = ", ".join(a for a in RESTRICTED if not (open_shared_memory and a == "shared-memory"))
@@ -674,7 +728,7 @@ def serve(
         if not signals:
             code = s.proc.returncode
             s.stop()
-            log(f"tritonserver exited by itself ({describe_exit(code)}); log: {s.log_file}")
+            log(f"tritonserver exited by itself ({describe_exit(code)}); log: {s.log_where}")
             return 1
         log(f"{signal.Signals(signals[0]).name}: draining (up to {drain_timeout:g}s; again to stop now)")
         health.stopping = "shutting down"
