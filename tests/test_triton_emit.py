@@ -152,6 +152,52 @@ def test_ensemble_takes_every_input_of_the_backends_ensemble(repo):
     check_wiring(configs(repo))
 
 
+def test_ensemble_has_every_output_of_the_backends_ensemble(repo, tmp_path):
+    """Its clients request the backend ensemble's outputs by name (end_to_end_grpc_client.py: sequence_index with
+    -n, batch_index with --batch-inputs, the KV blocks and timestamps with --return-perf-metrics); tritonserver
+    refuses a request for an output the ensemble does not declare. Every one of them (transcribed from its
+    config.pbtxt) is declared with the same type and dims and produced by a step (check_wiring), for both targets;
+    the ones tensorrt_llm makes come from the generator under the same name."""
+    table = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_ensemble.json").read_text())
+    e = engine_dir(tmp_path / "trtllm-engines", 1, target="tensorrt-llm")
+    emit_repository([(1, e)], tmp_path / "trtllm-repo")
+    for r in (repo, tmp_path / "trtllm-repo"):
+        cfgs = configs(r)
+        got = {o.name: (mc.DataType.Name(o.data_type), list(o.dims)) for o in cfgs["ensemble"].output}
+        missing = [t["name"] for t in table["outputs"] if t["name"] not in got]
+        assert not missing, (r.name, missing)
+        for t in table["outputs"]:
+            assert got[t["name"]] == (t["data_type"], t["dims"]), (r.name, t["name"])
+        check_wiring(cfgs)
+        gen_step = next(s for s in cfgs["ensemble"].ensemble_scheduling.step if s.model_name == "tensorrt_llm")
+        for name in ("batch_index", "sequence_index", "arrival_time_ns", "kv_cache_reused_blocks", "context_logits"):
+            assert gen_step.output_map[name] == name, (r.name, name)
+
+
+def test_decoupled_is_a_deployment_choice(tmp_path):
+    """triton.decoupled (default true) sets the generator's transaction policy, and with it the ensemble's
+    (tritonserver makes an ensemble decoupled when a step is); emit's decoupled overrides the recipe. The C++
+    backend's config gets it as its decoupled_mode parameter too."""
+    e = engine_dir(tmp_path / "e", 1)
+    emit_repository([(1, e)], tmp_path / "default")
+    assert configs(tmp_path / "default")["tensorrt_llm"].model_transaction_policy.decoupled
+    emit_repository([(1, e)], tmp_path / "unary", decoupled=False)
+    cfgs = configs(tmp_path / "unary")
+    assert not cfgs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert not any(cfgs[m].model_transaction_policy.decoupled for m in MODELS)
+    check_wiring(cfgs)
+    assert json.loads((tmp_path / "unary" / emit.SUMMARY).read_text())["decoupled"] is False
+    e2 = engine_dir(tmp_path / "e2", 1, triton={"version_policy": "latest", "generator_instances": 1, "decoupled": False})
+    emit_repository([(1, e2)], tmp_path / "recipe")
+    assert not configs(tmp_path / "recipe")["tensorrt_llm"].model_transaction_policy.decoupled
+    emit_repository([(1, e2)], tmp_path / "flag", decoupled=True)
+    assert configs(tmp_path / "flag")["tensorrt_llm"].model_transaction_policy.decoupled
+    e3 = engine_dir(tmp_path / "e3", 1, target="tensorrt-llm")
+    emit_repository([(1, e3)], tmp_path / "trtllm", decoupled=False)
+    g = read_config(tmp_path / "trtllm" / "tensorrt_llm" / "config.pbtxt")
+    assert not g.model_transaction_policy.decoupled and g.parameters["decoupled_mode"].string_value == "false"
+
+
 def test_generator_is_the_backends_tensorrt_llm_model(repo):
     """tensorrtllm_backend's repository has models ensemble, preprocessing, tensorrt_llm and postprocessing; its
     clients talk to tensorrt_llm directly with its inputs and read its outputs. Every one of them (the checked-in

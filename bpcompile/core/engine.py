@@ -159,6 +159,13 @@ class Triton(_Strict):
     emit: bool = True
     version_policy: Union[Literal["latest", "all"], dict] = "latest"
     generator_instances: int = Field(1, ge=1)
+    decoupled: bool = Field(
+        True,
+        description="tensorrt_llm and ensemble answer through a response stream (decoupled transaction policy): "
+        "streaming, and a client's cancel reaching the generation loop. false: they answer unary infer (gRPC "
+        "ModelInfer, HTTP /infer, perf_analyzer without --streaming) with the whole result, as "
+        "tensorrtllm_backend's decoupled_mode: false, and refuse stream=true",
+    )
 
     @field_validator("version_policy")
     @classmethod

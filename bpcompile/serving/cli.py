@@ -68,6 +68,12 @@ def _version_of(engine_dir: Path) -> int:
     default=None,
     help="Where the generator runs (cuda: GPU instance groups) [default: the recipe's runtime.device].",
 )
+@click.option(
+    "--decoupled/--no-decoupled",
+    default=None,
+    help="tensorrt_llm and ensemble answer through a response stream (streaming, cancellation), or unary infer "
+    "with the whole result (tensorrtllm_backend's decoupled_mode false) [default: the recipe's triton.decoupled].",
+)
 @click.option("--link", is_flag=True, help="Symlink engine versions instead of copying them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing repository.")
 @click.option(
@@ -80,7 +86,19 @@ def _version_of(engine_dir: Path) -> int:
 )
 @click.option("--json", "as_json", is_flag=True)
 def emit(
-    engines, repo, add, policy, target, max_batch_size, no_speculation, device, link, overwrite, bls_from, as_json
+    engines,
+    repo,
+    add,
+    policy,
+    target,
+    max_batch_size,
+    no_speculation,
+    device,
+    decoupled,
+    link,
+    overwrite,
+    bls_from,
+    as_json,
 ):
     """Write a Triton model repository serving ENGINES (version directories, or NAME/N of ./engines)."""
     from bpcompile.core.store import engine_version_dir
@@ -108,6 +126,7 @@ def emit(
                 link=link,
                 overwrite=overwrite,
                 bls_source=bls_from,
+                decoupled=decoupled,
             )
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))

@@ -35,13 +35,13 @@ class RemoteError(RuntimeError):
 
 
 def _request_fields(prompt, max_tokens, stream, temperature, top_k, top_p, seed, end_id, stop_words) -> dict:
+    # temperature and top_p always: the server follows TensorRT-LLM, where a request without them is greedy
+    # (temperature 1.0, top_k 0 and top_p 0 by default); here temperature > 0 alone samples from the whole distribution
     d = {"text_input": prompt, "max_tokens": int(max_tokens), "stream": bool(stream)}
-    if temperature:
-        d["temperature"] = float(temperature)
+    d["temperature"] = float(temperature or 0.0)
     if top_k:
         d["top_k"] = int(top_k)
-    if top_p is not None and top_p != 1.0:
-        d["top_p"] = float(top_p)
+    d["top_p"] = 1.0 if top_p is None else float(top_p)
     if seed is not None:
         d["seed"] = int(seed)
     if end_id is not None:

@@ -7,7 +7,8 @@ Layout (native target):
       ensemble/1/                  (an ensemble has no artifacts; its steps use model_version -1 = newest loaded)
       preprocessing/config.pbtxt   python backend
       preprocessing/<N>/           model.py + tokenizer/            (N = engine store version)
-      tensorrt_llm/config.pbtxt    python backend, decoupled (tensorrtllm_backend's model name and interface)
+      tensorrt_llm/config.pbtxt    python backend, decoupled unless triton.decoupled is false (tensorrtllm_backend's
+                                   model name and interface)
       tensorrt_llm/<N>/            model.py + engine/ (a copy of engines/<name>/<N>/) + engine_source.json
       postprocessing/config.pbtxt  python backend, ONE instance (response order, see below)
       postprocessing/<N>/          model.py + tokenizer/
@@ -405,7 +406,11 @@ def generator_config(
     cfg = mc.ModelConfig(
         name=GENERATOR, backend="python", max_batch_size=max_batch_size, version_policy=version_policy_proto(policy)
     )
-    cfg.model_transaction_policy.decoupled = True
+    decoupled: bool = True,
+    # decoupled: responses through a stream (streaming, cancellation); not: one response per unary infer, as
+    # tensorrtllm_backend's decoupled_mode false. The ensemble follows it (Triton: an ensemble is decoupled when a
+    # step is).
+    cfg.model_transaction_policy.decoupled = decoupled
     _inputs(
         cfg,
         [(n, t, d, True) for n, t, d in TRTLLM_MODEL_INPUTS]
@@ -703,6 +708,31 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
     cfg = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=max_batch_size)
     ins = ENSEMBLE_INPUTS + (
         [("return_perf_metrics", T.TYPE_BOOL, [1], True)]
+# tensorrtllm_backend's ensemble outputs that its tensorrt_llm step produces (its ensemble config.pbtxt, TensorRT-LLM
+# 1.2 line; tests/data/tensorrtllm_backend_ensemble.json), mapped from the generator under the same names: its
+# clients request them by name (end_to_end_grpc_client.py: batch_index with --batch-inputs, sequence_index with
+# -n, the KV blocks and timestamps with --return-perf-metrics). The speculation statistics come through
+# postprocessing (STATS), as text_output does. tritonserver assembles one ensemble response from the tensors of
+# one generator response and the postprocessing step run on it, and leaves out an output a response lacks.
+ENSEMBLE_FROM_GENERATOR = (
+    "cum_log_probs",
+    "output_log_probs",
+    "context_logits",
+    "generation_logits",
+    "batch_index",
+    "sequence_index",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "num_input_tokens",
+    "num_output_tokens",
+)
+
+
         if target == "tensorrt-llm"
         else [(n, t, d, True) for n, t, d in BACKEND_INPUTS]
     )
@@ -711,18 +741,14 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
     if target == "native":
         outs += [("response_index", T.TYPE_INT32, [1]), ("finish_reason", T.TYPE_STRING, [1])]
         outs += [(n, t, [1]) for n, t in STATS]
-        outs += [
-            ("cum_log_probs", T.TYPE_FP32, [-1]),
-            ("output_log_probs", T.TYPE_FP32, [-1, -1]),
-            ("context_logits", T.TYPE_FP32, [-1, -1]),
-            ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
-        ]
+        outs += [o for o in TRTLLM_MODEL_OUTPUTS if o[0] in ENSEMBLE_FROM_GENERATOR]
     else:
         outs += [(n, t, [1]) for n, t in STATS[:3]]
     _outputs(cfg, outs)
 
     def step(model, inputs, outputs):
         s = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+        outs += [o for o in TRTLLM_MODEL_OUTPUTS if o[0] in ENSEMBLE_FROM_GENERATOR]
         s.input_map.update(inputs)
         s.output_map.update(outputs)
 
@@ -763,10 +789,7 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
         step(
             GENERATOR,
             gen_in,
-            {
-                **{n: "_" + n.upper() for n in mid},
-                **{n: n for n in ("cum_log_probs", "output_log_probs", "context_logits", "generation_logits")},
-            },
+            {**{n: "_" + n.upper() for n in mid}, **{n: n for n in ENSEMBLE_FROM_GENERATOR}},
         )
         post_out = {
             "OUTPUT": "text_output",
@@ -784,6 +807,7 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
         step(
             "postprocessing",
             {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
+        gen_out.update({n: n for n in ENSEMBLE_FROM_GENERATOR})
             {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids"},
         )
     return cfg
@@ -1127,6 +1151,7 @@ def _prepare(
     """Check the engines and build every config before anything is written."""
     engines = sorted((int(v), Path(p)) for v, p in engine_dirs)
     if not engines:
+    decoupled=None,
         raise UserError("emit needs at least one engine version")
     for v, p in engines:
         if v <= 0:
@@ -1146,18 +1171,19 @@ def _prepare(
         "preprocessing": preprocessing_config(mbs, policy, preprocessing_instances),
         "postprocessing": postprocessing_config(mbs, policy, target),
         "ensemble": ensemble_config(mbs, target),
+    decoupled = cfg.triton.decoupled if decoupled is None else bool(decoupled)
     }
     device = _device_setting(device, cfg)
     if target == "native":
         tp = cfg.parallel.tp if cfg.parallel.pp == 1 else 1  # the runtime merges the ranks of a pp engine
-        configs[GENERATOR] = generator_config(mbs, policy, gen_inst, device, tree, tp)
+        configs[GENERATOR] = generator_config(mbs, policy, gen_inst, device, tree, tp, decoupled)
     else:
         v, newest = engines[-1]
         spec = _speculative_trtllm(newest, target)
         configs[GENERATOR] = trtllm_generator_config(
             mbs,
             trtllm_engine_path(v, "verifier"),
-            decoupled=not spec,
+            decoupled=decoupled and not spec,
             kv_cache_reuse=spec,
             tokenizer_dir=f"preprocessing/{v}/tokenizer",
         )
@@ -1178,6 +1204,7 @@ def _prepare(
     }
 
 
+        "decoupled": decoupled,
 def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source=None) -> dict:
     ours = VERSIONED + ("ensemble", DRAFT, BLS)
     if any((repo / m / "config.pbtxt").is_file() for m in ours):
@@ -1208,6 +1235,7 @@ def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source
         "models": sorted(plan["configs"]),
     }
     renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
+        "decoupled": plan["decoupled"],
     fault_point("emit")
     _commit(repo, renames)
     return dict(summary, repo=str(repo))
@@ -1231,6 +1259,7 @@ def emit_repository(
     """Write a complete repository holding the given engine versions (of one engine). Defaults come from the
     newest engine's recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
 
+    decoupled: Optional[bool] = None,
     `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}); `device` (cpu,
     cuda, auto) the recipe's runtime.device: cuda declares GPU instance groups (generator_instances).
     `bls_source`: tensorrtllm_backend's tensorrt_llm_bls/1 directory, for target tensorrt-llm with a draft
@@ -1239,6 +1268,7 @@ def emit_repository(
     repository is refused unless overwrite=True (use add_version to add to one)."""
     repo = Path(repo_dir)
     plan = _prepare(
+    `decoupled` overrides the recipe's triton.decoupled (false: unary infer, no streaming).
         engine_dirs,
         repo,
         target=target,
@@ -1252,6 +1282,7 @@ def emit_repository(
     with _locked(repo, plan["name"], [p for _, p in plan["engines"]]) as repaired:
         return dict(_emit_locked(repo, plan, link, overwrite, bls_source), repaired=repaired)
 
+        decoupled=decoupled,
 
 def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool, bls_source=None) -> dict:
     if not (repo / GENERATOR / "config.pbtxt").is_file():

@@ -158,7 +158,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     if top_k < 0:
         raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
     if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
-        raise BadRequest(f"top_p must be in [0, 1] (0 or 1 = off), got {top_p}")
+        raise BadRequest(f"top_p must be in [0, 1] (1 = off; 0 = off with top_k > 0, greedy with top_k 0), got {top_p}")
 
 
 class TextInterface:

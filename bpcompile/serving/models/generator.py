@@ -1,4 +1,4 @@
-"""Triton Python-backend model `tensorrt_llm` (decoupled; tensorrtllm_backend's name for it): the speculative decoding loop, draft and verifier in
+"""Triton Python-backend model `tensorrt_llm` (tensorrtllm_backend's name for it): the speculative decoding loop, draft and verifier in
 this one process, over bpcompile's native runtime.
 
 Copied by bpcompile.serving.emit into tensorrt_llm/<version>/model.py; the engine version it serves is
@@ -16,6 +16,15 @@ Two interfaces, told apart by their inputs:
   finish_reason, ...): the same request a client sends the ensemble, tokenized and detokenized here.
 Every response also carries tensorrtllm_backend's `tensorrt_llm` outputs (output_ids [batch, beam, tokens],
 sequence_length, batch_index, ...), so its clients that talk to this model by that name read what they expect.
+
+Decoupled (the default) or not, as the repository was emitted (triton.decoupled): either way each request is
+answered through its response sender from the loop thread, so requests still join the running batch; not
+decoupled, that is exactly one response with the whole result (a unary ModelInfer answer), and stream=true is
+refused as tensorrtllm_backend refuses it with decoupled_mode false.
+
+Sampling as TensorRT-LLM sets it up (its DefaultDecodingParams and setupTopKRuntimeArgs): temperature defaults
+to 1.0, top_k and top_p to 0; top_k 0 with top_p 0 is greedy (its clients send temperature 1.0 and neither, or
+top_k 1), top_p 0 with top_k > 0 is top-k alone. Temperature 0 is greedy too (bpcompile's, and OpenAI's, rule).
 
 Cancellation: before every step the loop polls each request's `response_sender.is_cancelled()` and cancels
 the ones set (the runtime frees their KV pages), so a cancelled or disconnected client stops costing work
@@ -161,8 +170,7 @@ class TritonPythonModel:
         from bpcompile.runtime.generator import Generator, TreeSpec  # the runtime is only needed by this model
 
         self.model_config = json.loads(args["model_config"])
-        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
-            raise pb_utils.TritonModelException("generator must be decoupled (model_transaction_policy)")
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         engine_dir = Path(args["model_repository"]) / args["model_version"] / "engine"
         self.engine_version = int(args["model_version"])
@@ -201,6 +209,8 @@ class TritonPythonModel:
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
+        # first: a request of a kind bpcompile does not serve (a stop request carries no prompt) is refused by name
+        exclude = backend_options(get, self.exclude_default)
         ids = get("input_ids")
         text = ids is None
         if text:  # the ensemble's interface (module doc); sizes are checked before tokenizing
@@ -208,7 +218,7 @@ class TritonPythonModel:
             max_tokens = scalar(get, "max_tokens", DEFAULT_MAX_TOKENS, int)
             stop = self.text.words(get("stop_words"), "stop_words")
             bad = self.text.words(get("bad_words"), "bad_words")
-            top_k, top_p = scalar(get, "top_k", 0, int), scalar(get, "top_p", 1.0, float)
+            top_k, top_p = scalar(get, "top_k", 0, int), scalar(get, "top_p", 0.0, float)
             stream = scalar(get, "stream", False, bool)
             default_end = self.text.eos
         else:
@@ -225,9 +235,12 @@ class TritonPythonModel:
             prompt = [int(i) for i in ids.reshape(-1)]
             max_tokens = scalar(get, "request_output_len", DEFAULT_MAX_TOKENS, int)
             stop, bad = self._word_list(get, "stop_words_list"), self._word_list(get, "bad_words_list")
-            top_k, top_p = scalar(get, "runtime_top_k", 0, int), scalar(get, "runtime_top_p", 1.0, float)
+            top_k, top_p = scalar(get, "runtime_top_k", 0, int), scalar(get, "runtime_top_p", 0.0, float)
             stream = scalar(get, "streaming", False, bool)
             default_end = None
+        if stream and not self.decoupled:
+            raise BadRequest("streaming needs a decoupled repository: this one answers unary infer (emitted with "
+                             "triton.decoupled false); send stream=false, or emit with --decoupled")
         if not prompt:
             raise BadRequest("the prompt has no tokens")
         if len(prompt) > self.max_input_len:
@@ -241,10 +254,11 @@ class TritonPythonModel:
                              f" + max_tokens must be <= max_seq_len {self.max_seq_len}, so at most {room}")
         if bad:
             raise BadRequest("bad_words is not supported by the native runtime (send it empty)")
-        exclude = backend_options(get, self.exclude_default)
-        temperature = scalar(get, "temperature", 0.0, float)
+        temperature = scalar(get, "temperature", 1.0, float)
         check_sampling(temperature, top_k, top_p)
-        top_p = top_p or 1.0  # TensorRT-LLM's convention (its clients' default): top_p 0 is no top-p
+        if top_k == 0 and top_p == 0.0:  # TensorRT-LLM: greedy (module doc)
+            temperature = 0.0
+        top_p = top_p or 1.0  # with top_k > 0: top-k alone
         seed = scalar(get, "seed", None, int)
         end_id = scalar(get, "end_id", default_end, int)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -288,7 +302,7 @@ class TritonPythonModel:
             if not self.drain.submit(self.loop.submit, job):
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)), flags=FINAL)
-        return None  # decoupled: responses go through the senders, from the loop thread
+        return None  # decoupled or not, responses go through the senders, from the loop thread
 
     def _send(self, job, start, o):
         ctx, read = context_window(job.out, start, len(job.out))
@@ -321,7 +335,10 @@ class TritonPythonModel:
         lps = job.logprobs[start:len(job.out)] if job.params.logprobs else [0.0] * (len(job.out) - start)
         outs += [t("cum_log_probs", [float(sum(job.logprobs)) if job.params.logprobs else 0.0], np.float32),
                  t("output_log_probs", [lps], np.float32)]
-        if job.context_logits is not None and job.index == 0:  # [batch, prompt, vocab], on the first response
+        # [batch, prompt, vocab], on the first response and on the final one: tensorrtllm_backend's clients keep the
+        # last response's (inflight_batcher_llm_client.py --streaming); not on every one, which would multiply
+        # prompt x vocabulary floats by the number of responses
+        if job.context_logits is not None and (job.index == 0 or o.finished):
             outs.append(pb_utils.Tensor("context_logits", job.context_logits.numpy()[None]))
         if job.params.generation_logits and len(job.out) > start:  # [batch, beam, tokens, vocab]
             import torch
