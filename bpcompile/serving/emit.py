@@ -402,11 +402,11 @@ def generator_config(
     device: str = "cpu",
     tree: Optional[dict] = None,
     tp: int = 1,
+    decoupled: bool = True,
 ) -> mc.ModelConfig:
     cfg = mc.ModelConfig(
         name=GENERATOR, backend="python", max_batch_size=max_batch_size, version_policy=version_policy_proto(policy)
     )
-    decoupled: bool = True,
     # decoupled: responses through a stream (streaming, cancellation); not: one response per unary infer, as
     # tensorrtllm_backend's decoupled_mode false. The ensemble follows it (Triton: an ensemble is decoupled when a
     # step is).
@@ -704,10 +704,6 @@ def find_bls_source(explicit: Optional[Union[str, Path]] = None) -> Path:
     )
 
 
-def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=max_batch_size)
-    ins = ENSEMBLE_INPUTS + (
-        [("return_perf_metrics", T.TYPE_BOOL, [1], True)]
 # tensorrtllm_backend's ensemble outputs that its tensorrt_llm step produces (its ensemble config.pbtxt, TensorRT-LLM
 # 1.2 line; tests/data/tensorrtllm_backend_ensemble.json), mapped from the generator under the same names: its
 # clients request them by name (end_to_end_grpc_client.py: batch_index with --batch-inputs, sequence_index with
@@ -733,6 +729,10 @@ ENSEMBLE_FROM_GENERATOR = (
 )
 
 
+def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=max_batch_size)
+    ins = ENSEMBLE_INPUTS + (
+        [("return_perf_metrics", T.TYPE_BOOL, [1], True)]
         if target == "tensorrt-llm"
         else [(n, t, d, True) for n, t, d in BACKEND_INPUTS]
     )
@@ -744,11 +744,11 @@ ENSEMBLE_FROM_GENERATOR = (
         outs += [o for o in TRTLLM_MODEL_OUTPUTS if o[0] in ENSEMBLE_FROM_GENERATOR]
     else:
         outs += [(n, t, [1]) for n, t in STATS[:3]]
+        outs += [o for o in TRTLLM_MODEL_OUTPUTS if o[0] in ENSEMBLE_FROM_GENERATOR]
     _outputs(cfg, outs)
 
     def step(model, inputs, outputs):
         s = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
-        outs += [o for o in TRTLLM_MODEL_OUTPUTS if o[0] in ENSEMBLE_FROM_GENERATOR]
         s.input_map.update(inputs)
         s.output_map.update(outputs)
 
@@ -803,11 +803,11 @@ ENSEMBLE_FROM_GENERATOR = (
         gen_in["return_perf_metrics"] = "return_perf_metrics"
         gen_out = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
         gen_out.update({n: n for n, _ in STATS[:3]})
+        gen_out.update({n: n for n in ENSEMBLE_FROM_GENERATOR})
         step(GENERATOR, gen_in, gen_out)
         step(
             "postprocessing",
             {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
-        gen_out.update({n: n for n in ENSEMBLE_FROM_GENERATOR})
             {"OUTPUT": "text_output", "OUTPUT_IDS": "output_ids"},
         )
     return cfg
@@ -1147,11 +1147,11 @@ def _prepare(
     generator_instances,
     device,
     tree,
+    decoupled=None,
 ) -> dict:
     """Check the engines and build every config before anything is written."""
     engines = sorted((int(v), Path(p)) for v, p in engine_dirs)
     if not engines:
-    decoupled=None,
         raise UserError("emit needs at least one engine version")
     for v, p in engines:
         if v <= 0:
@@ -1167,11 +1167,11 @@ def _prepare(
     policy = version_policy if version_policy is not None else cfg.triton.version_policy
     mbs = int(max_batch_size or cfg.limits.max_batch_size)
     gen_inst = int(generator_instances or cfg.triton.generator_instances)
+    decoupled = cfg.triton.decoupled if decoupled is None else bool(decoupled)
     configs = {
         "preprocessing": preprocessing_config(mbs, policy, preprocessing_instances),
         "postprocessing": postprocessing_config(mbs, policy, target),
         "ensemble": ensemble_config(mbs, target),
-    decoupled = cfg.triton.decoupled if decoupled is None else bool(decoupled)
     }
     device = _device_setting(device, cfg)
     if target == "native":
@@ -1200,11 +1200,11 @@ def _prepare(
         "mbs": mbs,
         "device": device,
         "tree": tree,
+        "decoupled": decoupled,
         "configs": configs,
     }
 
 
-        "decoupled": decoupled,
 def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source=None) -> dict:
     ours = VERSIONED + ("ensemble", DRAFT, BLS)
     if any((repo / m / "config.pbtxt").is_file() for m in ours):
@@ -1231,11 +1231,11 @@ def _emit_locked(repo: Path, plan: dict, link: bool, overwrite: bool, bls_source
         "max_batch_size": plan["mbs"],
         "device": plan["device"],
         "tree": plan["tree"],
+        "decoupled": plan["decoupled"],
         "versions": written,
         "models": sorted(plan["configs"]),
     }
     renames.append((_stage_text(repo / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n"), repo / SUMMARY))
-        "decoupled": plan["decoupled"],
     fault_point("emit")
     _commit(repo, renames)
     return dict(summary, repo=str(repo))
@@ -1255,20 +1255,20 @@ def emit_repository(
     link: bool = False,
     overwrite: bool = False,
     bls_source: Optional[Union[str, Path]] = None,
+    decoupled: Optional[bool] = None,
 ) -> dict:
     """Write a complete repository holding the given engine versions (of one engine). Defaults come from the
     newest engine's recipe (target, triton.version_policy, triton.generator_instances, limits.max_batch_size).
 
-    decoupled: Optional[bool] = None,
     `tree` overrides the recipe's speculation for the served generator (e.g. {"kind": "none"}); `device` (cpu,
     cuda, auto) the recipe's runtime.device: cuda declares GPU instance groups (generator_instances).
     `bls_source`: tensorrtllm_backend's tensorrt_llm_bls/1 directory, for target tensorrt-llm with a draft
     (default: $BPCOMPILE_TRTLLM_BLS_DIR, else where TensorRT-LLM's Triton containers keep it).
+    `decoupled` overrides the recipe's triton.decoupled (false: unary infer, no streaming).
     The directory must be new, empty or a repository bpcompile emitted for the same engine name. An existing
     repository is refused unless overwrite=True (use add_version to add to one)."""
     repo = Path(repo_dir)
     plan = _prepare(
-    `decoupled` overrides the recipe's triton.decoupled (false: unary infer, no streaming).
         engine_dirs,
         repo,
         target=target,
@@ -1278,11 +1278,11 @@ def emit_repository(
         generator_instances=generator_instances,
         device=device,
         tree=tree,
+        decoupled=decoupled,
     )
     with _locked(repo, plan["name"], [p for _, p in plan["engines"]]) as repaired:
         return dict(_emit_locked(repo, plan, link, overwrite, bls_source), repaired=repaired)
 
-        decoupled=decoupled,
 
 def _add_locked(repo: Path, version: int, engine_dir: Path, link: bool, bls_source=None) -> dict:
     if not (repo / GENERATOR / "config.pbtxt").is_file():
