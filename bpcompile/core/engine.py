@@ -97,7 +97,7 @@ class KVCache(_Strict):
     int6_keys: Literal["auto", "early", "none"] = Field(
         "auto",
         description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
-        "to pay for them: read by the torch executor only). auto: early with INT5 keys and "
+        "to pay for them; which readers take them: bpcompile/core/kv_support.py). auto: early with INT5 keys and "
         "key_transform: klt at tp 1, the default there (on SmolLM2 the three together kept "
         "passkey retrieval within 2 points of FP16 KV's at every length), else none",
     )
@@ -112,7 +112,7 @@ class KVCache(_Strict):
         "auto",
         description="klt: the INT4 / INT5 / INT6 keys of the first two thirds of the layers stored as "
         "coefficients of a calibrated basis before RoPE, bits per coefficient by their variance, at "
-        "the same bytes per token plus a D x D table per unit (read by the torch executor only). "
+        "the same bytes per token plus a D x D table per unit (which readers take them: kv_support.py). "
         "With INT5 keys and int6_keys' auto: the keys of the first third INT6, KLT6 / KLT5 in "
         "layers 0-19 on SmolLM2, INT3 values outside the middle third (passkey within 2 points of "
         "FP16 KV's at every length). auto: klt with INT5 keys at tp 1 unless int6_keys is none "
