@@ -221,6 +221,14 @@ class Runtime(_Strict):
         "tensor-parallel engines prefill whole",
     )
 
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="decode, draft and tree-verify steps from static per-bucket buffers (batch size rounded up to "
+        "a power of two x query rows), each bucket captured once as a CUDA graph and replayed (docs/GPU.md); on "
+        "CPU the same static step runs eagerly. auto = on for CUDA where it applies (tp 1, the torch executor, a "
+        "plan without exact entries), else off; on = also on CPU, and an error where it does not apply",
+    )
+
     prefix_reuse: Union[bool, Literal["auto"]] = Field(
         "auto",
         description="reuse the KV pages of a prompt's leading full pages computed by an earlier request "

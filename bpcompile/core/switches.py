@@ -1,5 +1,5 @@
-"""Run-time switches the commands take as flags: `--kernels` and `--cpu-kernels` (generate, serve, eval) and
-`--kv-memory-limit` (build, validate).
+"""Run-time switches the commands take as flags: `--kernels`, `--cpu-kernels` and `--cuda-graphs` (generate, serve,
+eval) and `--kv-memory-limit` (build, validate).
 
 A flag sets the environment variable that the code deciding reads (docs/ENVIRONMENT.md lists them all), because
 the environment is what every process a command starts inherits: tensor-parallel workers, and for `serve`
@@ -16,6 +16,7 @@ import click
 KERNELS = "BPCOMPILE_KERNELS"
 CPU_KERNELS = ("BPCOMPILE_CPU_ROWS", "BPCOMPILE_CPU_DECODE")
 KV_MEMORY_LIMIT = "BPCOMPILE_KV_MEMORY_LIMIT"
+CUDA_GRAPHS = "BPCOMPILE_CUDA_GRAPHS"
 
 
 def _set(names: tuple[str, ...], value: str | None) -> None:
@@ -25,7 +26,18 @@ def _set(names: tuple[str, ...], value: str | None) -> None:
 
 
 def runtime_options(command):
-    """Add --kernels and --cpu-kernels to a click command (no new parameters reach the command's function)."""
+    """Add --kernels, --cpu-kernels and --cuda-graphs to a click command (no new parameters reach the command's
+    function)."""
+    command = click.option(
+        "--cuda-graphs",
+        type=click.Choice(["auto", "on", "off"]),
+        default=None,
+        expose_value=False,
+        callback=lambda ctx, p, v: _set((CUDA_GRAPHS,), v),
+        help="Steps after prefill from static per-bucket buffers, captured as CUDA graphs on CUDA: auto (on for "
+        "CUDA where the engine allows it), on (also on CPU, where they run eagerly; an error where the engine "
+        "does not allow it), off [default: the engine's runtime.cuda_graphs].",
+    )(command)
     command = click.option(
         "--cpu-kernels",
         type=click.Choice(["on", "off"]),

@@ -25,6 +25,7 @@ class Executor:
         self.model, self.kv, self.device, self.lookahead, self.role = model, kv, device, lookahead, role
         self.forwards = 0  # batched forwards after prefill (benchmarks read these)
         self.peers = None  # runtime.tp.Peers on rank 0 of a tensor-parallel group
+        self.static = None  # a StaticStep (static_step.py): forwards after prefill from its per-bucket buffers
         # features: the verifier of a FeatureDraft keeps each forward's final hidden states in `hidden`
         # [B, T, hidden] (a FeatureDraft's executor always does: they are its predicted features)
         self.features = False
@@ -339,6 +340,9 @@ class Executor:
         writes: logical cache index per new token; ctx/tree_lens/mask_rows: see AttnBatch (mask rows as
         Python-int bit rows over the tree region); feats [B, T, hidden]: a FeatureDraft's input features;
         logit_rows: with feats, only row logit_rows[b] of each sequence gets logits ([B, 1, V])."""
+        if self.static is not None:
+            self.forwards += 1
+            return self.static.forward(reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows)
         dev, kv, model = self.device, self.kv, self.model
         B, T = len(reqs), max(len(t) for t in tokens)
         pad = lambda xs, v=0: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 import uuid
 from dataclasses import asdict
@@ -26,6 +27,7 @@ import torch
 from bpcompile.core.engine import EXECUTORS, EngineConfig, resolve_device
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import MANIFEST, verify_enabled, verify_version
+from bpcompile.core.switches import CUDA_GRAPHS
 from bpcompile.runtime.chunked import ChunkedPrefill
 from bpcompile.runtime.executor import Executor
 from bpcompile.runtime.kvcache import plan_support
@@ -52,6 +54,8 @@ from bpcompile.runtime.request import (
 from bpcompile.runtime.scheduler import Scheduler
 from bpcompile.runtime.speculative import Sampling, TreeSpec, sample
 from bpcompile.runtime.speculative_step import SpeculativeStep
+from bpcompile.runtime.static_step import MODES as STATIC_MODES
+from bpcompile.runtime.static_step import StaticStep, static_support, wants_static
 
 __all__ = ["Generator", "SamplingParams", "StepOutput", "RequestStats", "TreeSpec"]
 
@@ -93,6 +97,7 @@ class Generator:
         graphs: Optional[str | Path] = None,
         prefix_reuse: Optional[bool] = None,
         salt: str = "",
+        cuda_graphs: str = "auto",
         prefill_chunk: int = 0,
     ):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
@@ -106,6 +111,9 @@ class Generator:
         computed them (`PagedKV` prefix reuse; never with the onnxruntime executor). None: on (outputs equal
         reuse off for every KV plan: the rest of a prompt attends to the prefix as it was computed).
         salt: what identifies the engine in the pages' block hashes.
+        cuda_graphs: auto | on | off: steps after prefill from static per-bucket buffers (static_step.py),
+        captured as CUDA graphs on CUDA and run eagerly on CPU; auto = on for CUDA where the configuration allows
+        it; on where it does not is a UserError naming why.
         prefill_chunk: prompt tokens prefilled per step at most (chunked.py), interleaved with the running
         sequences' steps; 0: every admitted prompt prefills whole in the step that admits it."""
         if executor not in EXECUTORS:
@@ -129,6 +137,11 @@ class Generator:
         self.max_input_len = max_input_len or max_seq_len - 1
         self.g_max = self.tree.draft_tokens + 1
         self.num_pages = num_pages or cache_pages(max_batch_size, max_seq_len, self.g_max, page_size)
+        if cuda_graphs not in STATIC_MODES:
+            raise UserError(
+                f"cuda_graphs {cuda_graphs!r}: expected one of {', '.join(STATIC_MODES)}", key="runtime.cuda_graphs"
+            )
+        self.cuda_graphs = cuda_graphs
 
         def make(model: Llama, factory: Optional[KVStoreFactory], role: str) -> Executor:
             store = (factory or float_store_factory(model.dtype))(
@@ -136,6 +149,12 @@ class Generator:
             )
             plan = getattr(store, "plan", None)
             exact = plan is not None and plan.has_exact
+            static = wants_static(cuda_graphs, self.device)
+            if static:
+                why = static_support(executor, 1, exact, kernels_for(store, self.device) is not None)
+                if why is not None and cuda_graphs == "on":
+                    raise UserError(f"runtime.cuda_graphs on: {why}; set it to auto or off", key="runtime.cuda_graphs")
+                static = why is None
             if executor == "onnxruntime":
                 why = plan_support(plan, "onnxruntime") if plan is not None else []
                 if why:
@@ -146,7 +165,7 @@ class Generator:
             # exact entries are read on the DenseKV path (the kernels do not read them: kernels_for says so)
             dense = (
                 DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device)
-                if (dense_kv or exact) and kernels_for(store, self.device) is None
+                if (dense_kv or exact) and kernels_for(store, self.device) is None and not static
                 else None
             )
             recent = (
@@ -154,7 +173,10 @@ class Generator:
                 if exact
                 else None
             )
-            return Executor(model, PagedKV(store, self.device, dense, recent), self.device, self.g_max, role)
+            ex = Executor(model, PagedKV(store, self.device, dense, recent), self.device, self.g_max, role)
+            if static:  # a sequence holds at most max_seq_len + a tree (the draft's: + its catch-up) entries
+                ex.static = StaticStep(ex, max_batch_size, max_seq_len + 2 * self.g_max + 2, capture=True)
+            return ex
 
         self.v_exec = make(self.verifier, kv_store_factory, "verifier")
         self.d_exec = make(self.draft, draft_kv_store_factory, "draft") if self.draft is not None else None
@@ -196,6 +218,7 @@ class Generator:
         tp: Optional[int] = None,
         pack: bool = True,
         verify: Optional[bool] = None,
+        cuda_graphs: Optional[str] = None,
         prefix_reuse: Optional[bool] = None,
         _rank: int = 0,
         _group=None,
@@ -215,6 +238,9 @@ class Generator:
         verify: first check the version's files against its manifest.json (core/store.py `verify_version`:
         UserError naming a changed file; about 1-2 s per GB); default: yes unless $BPCOMPILE_VERIFY is 0. A
         directory without a manifest (assembled by hand, not published by a build) has nothing to check against.
+        cuda_graphs: auto | on | off (see __init__); default: $BPCOMPILE_CUDA_GRAPHS (`--cuda-graphs`), else the
+        engine's runtime.cuda_graphs.
+        prefix_reuse: overrides the engine's runtime.prefix_reuse (None: the engine's).
         prefix_reuse: overrides the engine's runtime.prefix_reuse (None: the engine's).
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
@@ -232,6 +258,12 @@ class Generator:
                 f"(merged), or rebuild with parallel.tp: {tp}",
                 key="tp",
             )
+        cuda_graphs = cuda_graphs or os.environ.get(CUDA_GRAPHS) or cfg.runtime.cuda_graphs
+        if tp > 1 and cuda_graphs != "off":
+            why = static_support("torch", tp, False, False)
+            if cuda_graphs == "on":
+                raise UserError(f"runtime.cuda_graphs on: {why}; set it to auto or off", key="runtime.cuda_graphs")
+            cuda_graphs = "off"
         if tp > 1:
             if cfg.parallel.pp != 1:
                 raise UserError(
@@ -321,6 +353,7 @@ class Generator:
                 if prefix_reuse is None
                 else prefix_reuse,
                 salt=_engine_salt(d),
+                cuda_graphs=cuda_graphs,
                 # a chunk's K/V copy is rank 0's alone (the tensor-parallel channel does not carry it)
                 prefill_chunk=cfg.runtime.prefill_chunk if tp == 1 else 0,
             )
