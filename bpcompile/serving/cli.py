@@ -321,7 +321,9 @@ def _levels(ctx, param, value) -> list[int]:
 )
 @click.option("--json", "as_json", is_flag=True)
 def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json):
-    """Load a running server: TTFT, time per output token, latency percentiles, tokens/s, tokens per step."""
+    """Load a running server and print what genai-perf prints (time to first and second token, inter-token
+    latency, request latency, output tokens/s per user: avg, p50, p90, p99; output token and request
+    throughput), plus tokens per verifier step. --json: those and more as JSON."""
     from bpcompile.serving.client import DEFAULT_PROMPTS, bench_remote
 
     prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()] if prompts_file else DEFAULT_PROMPTS
@@ -341,18 +343,28 @@ def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json
         click.echo(json.dumps(rows[0] if len(rows) == 1 else {"levels": rows}, indent=2))
 
 
+# genai-perf's table: its metrics, per request (avg and percentiles), then the run's throughputs
+_ROWS = (
+    ("Time to first token (ms)", "time_to_first_token_s", 1e3),
+    ("Time to second token (ms)", "time_to_second_token_s", 1e3),
+    ("Inter token latency (ms)", "inter_token_latency_s", 1e3),
+    ("Request latency (ms)", "request_latency_s", 1e3),
+    ("Output token throughput per user (tokens/s)", "output_token_throughput_per_user", 1.0),
+)
+
+
 def _show(r: dict, max_tokens: int) -> None:
-    ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
     click.echo(
-        f"{r['requests']} requests ({r['errors']} errors), concurrency {r['concurrency']}, {max_tokens} max tokens"
+        f"{r['requests']} requests ({r['errors']} errors), concurrency {r['concurrency']}, {max_tokens} max tokens; "
+        f"tokens/verifier step {r['tokens_per_step'] or 0:.2f}, acceptance {r['acceptance_rate'] or 0:.2f}"
     )
-    click.echo(
-        f"output tokens/s {r['output_tokens_per_s'] or 0:.1f}   tokens/verifier step "
-        f"{r['tokens_per_step'] or 0:.2f}   acceptance {r['acceptance_rate'] or 0:.2f}"
-    )
-    for k in ("ttft_s", "tpot_s", "latency_s"):
-        s = r[k]
-        click.echo(f"{k[:-2]:8s} ms  p50 {ms(s['p50'])}  p90 {ms(s['p90'])}  p99 {ms(s['p99'])}")
+    stats = ("avg", "p50", "p90", "p99")
+    click.echo(f"{'':44s}" + "".join(f"{s:>10s}" for s in stats))
+    for label, key, scale in _ROWS:
+        cells = ["-" if r[key][s] is None else f"{r[key][s] * scale:.1f}" for s in stats]
+        click.echo(f"{label:44s}" + "".join(f"{c:>10s}" for c in cells))
+    click.echo(f"Output token throughput (tokens/s): {r['output_token_throughput'] or 0:.2f}")
+    click.echo(f"Request throughput (requests/s): {r['request_throughput'] or 0:.2f}")
 
 
 COMMANDS = [emit, serve, bench]

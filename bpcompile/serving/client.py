@@ -138,6 +138,10 @@ class _Collector:
             "ttft_s": ttft,
             "latency_s": e2e,
             "tpot_s": self._tpot(n),
+            # genai-perf's definitions: the second response's arrival after the first's (a response may carry
+            # several tokens), and (last token - first token) / (tokens - 1)
+            "ttst_s": gaps[0] if gaps else None,
+            "itl_s": (self.arrivals[-1][0] - ttft) / (n - 1) if n > 1 and len(self.arrivals) > 1 else None,
             "response_gaps_s": gaps,
             **self.stats,
         }
@@ -338,12 +342,8 @@ def _pct(xs: list, p: float):
 
 
 def _summary(xs: list) -> dict:
-    return {
-        "p50": _pct(xs, 50),
-        "p90": _pct(xs, 90),
-        "p99": _pct(xs, 99),
-        "mean": statistics.fmean([x for x in xs if x is not None]) if any(x is not None for x in xs) else None,
-    }
+    mean = statistics.fmean([x for x in xs if x is not None]) if any(x is not None for x in xs) else None
+    return {"p50": _pct(xs, 50), "p90": _pct(xs, 90), "p99": _pct(xs, 99), "mean": mean, "avg": mean}
 
 
 def bench_remote(
@@ -437,6 +437,14 @@ def bench_remote(
         "tpot_s": _summary([r["tpot_s"] for r in results]),
         "inter_response_s": _summary([g for r in results for g in r["response_gaps_s"]]),
         "latency_s": _summary([r["latency_s"] for r in results]),
+        # what genai-perf prints, under its names (per request, then over the run)
+        "time_to_first_token_s": _summary([r["ttft_s"] for r in results]),
+        "time_to_second_token_s": _summary([r["ttst_s"] for r in results]),
+        "inter_token_latency_s": _summary([r["itl_s"] for r in results]),
+        "request_latency_s": _summary([r["latency_s"] for r in results]),
+        "output_token_throughput_per_user": _summary([1 / r["itl_s"] if r["itl_s"] else None for r in results]),
+        "output_token_throughput": toks / wall if wall > 0 else None,
+        "request_throughput": len(results) / wall if wall > 0 else None,
         # tokens committed per verifier step over all requests (the runtime's tau, step-weighted)
         "tokens_per_step": committed / steps if steps else None,
         "acceptance_rate": acc / drafted if drafted else None,
