@@ -17,7 +17,11 @@
    reference's top-2 logit gap there; speculation (the engine's tree) against verifier-only on the device;
    decode tokens/s at batch 1 and 8 next to transformers' `generate` on the same device and dtype; peak memory
    (torch.cuda.max_memory_allocated on CUDA, the process's peak RSS on CPU) against `bpcompile plan`'s figure.
-   CUDA graphs: the runtime has no static decode step to capture, so the report says "not implemented".
+4. cuda_graphs: the pair's steps after prefill from static per-bucket buffers (runtime.cuda_graphs on:
+   captured CUDA graphs on CUDA, the same static step eagerly on CPU) against the engine's own step (off): greedy
+   tokens (speculation on; divergences with their top-2 gap) and decode tokens/s at batch 1 and 8, the graphs
+   captured. Over the engine's KV plan, or an FP16 cache where the plan has exact entries (the static step does
+   not write their copies; the report says which).
 
 Exit 0 when every kernel check passes and every divergence is within --tie-ulps bf16 ulps of the top logit
 (rounding decides a near tie); 1 otherwise; 2 for bad arguments (no CUDA device for --device cuda, ...).
@@ -269,10 +273,14 @@ def newest_engine(name: str) -> Path | None:
     return vs[-1][1] if vs else None
 
 
-def load_generator(engine: Path, device: str, dtype: torch.dtype, tree, kernels: str):
+def load_generator(
+    engine: Path, device: str, dtype: torch.dtype, tree, kernels: str, factory=None, cuda_graphs: str = "off"
+):
     """The engine's models in `dtype` on `device` with its KV plan and limits (what Generator.from_engine loads,
     with the dtype chosen here). kernels: BPCOMPILE_KERNELS while the caches are made (auto: the Triton kernels
-    on CUDA; triton: through the interpreter on CPU; torch: the PyTorch attention)."""
+    on CUDA; triton: through the interpreter on CPU; torch: the PyTorch attention). factory: the verifier's KV
+    store factory instead of the engine's plan. cuda_graphs: runtime.cuda_graphs (off: the executor's own step,
+    what the other checks run)."""
     from bpcompile.core.engine import EngineConfig
     from bpcompile.runtime.generator import Generator
     from bpcompile.runtime.kvcache import kv_store_factory
@@ -285,10 +293,9 @@ def load_generator(engine: Path, device: str, dtype: torch.dtype, tree, kernels:
     if tree.kind != "none":
         d = engine / "draft"
         draft = FeatureDraft.from_dir(d, verifier) if is_feature_draft(d) else Llama.from_checkpoint(d, dtype=dtype)
-    factory = None
-    if (engine / "kv_plan" / "plan.json").is_file():
+    if factory is None and (engine / "kv_plan" / "plan.json").is_file():
         factory = kv_store_factory(KVPlan.load(engine / "kv_plan"))
-    elif cfg.kv_cache.format == "fp16":
+    elif factory is None and cfg.kv_cache.format == "fp16":
         factory = float_store_factory(torch.float16)
     old = os.environ.get("BPCOMPILE_KERNELS")
     os.environ["BPCOMPILE_KERNELS"] = kernels
@@ -305,6 +312,7 @@ def load_generator(engine: Path, device: str, dtype: torch.dtype, tree, kernels:
             device=device,
             max_input_len=lim.max_input_len,
             backoff=cfg.speculative.backoff,
+            cuda_graphs=cuda_graphs,
         )
     finally:
         if old is None:
@@ -502,13 +510,54 @@ def check_pair(engine: Path, hf: Path | None, dev, dtype, n: int, n_prompts: int
     out["peak_memory_bytes"] = peak
     out["plan_predicts"] = predicted_bytes(engine, hf, dtype, dev)
     out["seconds"] = secs
-    out["cuda_graphs"] = "not implemented: the runtime has no static decode step to capture"
+    log("  CUDA graphs on vs off")
+    out["cuda_graphs"] = check_graphs(engine, dev, dtype, tree, prompts, n_prompts, n, tn, kernels, tie_ulps)
+    lap("cuda_graphs")
     ok = all(
         d.get("near_tie", False)
         for key in ("vs_cpu_fp32_reference", "speculation_vs_verifier_only")
         for d in out.get(key, {}).get("divergences", [])
-    )
+    ) and all(d.get("near_tie", False) for d in out["cuda_graphs"]["on_vs_off"]["divergences"])
     return out, ok
+
+
+def check_graphs(engine: Path, dev, dtype, tree, prompts, n_prompts: int, n: int, tn: int, kernels: str, tie_ulps):
+    """runtime.cuda_graphs on (the static-buffer step: captured graphs on CUDA, eager on CPU) against off (the
+    executor's own step): greedy tokens with the engine's tree, then decode tokens/s at batch 1 and 8, each after
+    an untimed warm-up at that batch (on CUDA the first step of a bucket captures it)."""
+    from bpcompile.runtime.paged_kv import float_store_factory
+    from bpcompile.runtime.request import SamplingParams
+
+    res, factory = {}, None
+    if (engine / "kv_plan" / "plan.json").is_file() and KVPlan.load(engine / "kv_plan").has_exact:
+        factory = float_store_factory(torch.float16)
+        res["kv"] = "FP16 (the engine's plan has exact entries, whose copies the static step does not write)"
+    else:
+        res["kv"] = "the engine's"
+    toks, logits, speed = {}, None, {}
+    for mode in ("off", "on"):
+        g = load_generator(engine, str(dev), dtype, tree, kernels, factory, mode)
+        toks[mode], rows = greedy(g, prompts[:n_prompts], n, logits=mode == "off")
+        logits = rows if mode == "off" else logits
+        st = [e.static for e in (g.v_exec, g.d_exec) if e is not None and e.static is not None]
+        if mode == "on":
+            res["static_step"] = bool(st)
+            res["attention"] = "Triton kernels" if g.vkv.kern is not None else "PyTorch (paged, fixed width)"
+        if dev.type == "cpu":  # timed on the CPU's own path (an interpreter's times say nothing)
+            g = load_generator(engine, "cpu", dtype, tree, "auto", factory, mode)
+            st = [e.static for e in (g.v_exec, g.d_exec) if e is not None and e.static is not None]
+        speed[mode] = {}
+        for B in (1, 8):
+            g.generate(prompts[:B], SamplingParams(max_tokens=min(tn, 8)))  # warm-up: captures this batch's buckets
+            speed[mode][f"batch_{B}"] = runtime_speed(g, prompts[:B], tn, dev)
+        if mode == "on":
+            res["buckets"] = sum(len(s.buckets) for s in st)
+            res["captured_graphs"] = sum(b.graph is not None for s in st for b in s.buckets.values())
+    res["on_vs_off"] = compare(toks["on"], toks["off"], logits, tie_ulps)
+    res["decode_tokens_per_s"] = speed
+    if dev.type == "cpu":
+        res["note"] = "CPU: the static step runs eagerly (no graphs); its speed is not the point here"
+    return res
 
 
 def main() -> int:
