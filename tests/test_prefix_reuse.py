@@ -259,3 +259,20 @@ def test_quantized_plan_through_the_kernels():
     assert out["kernels"]
     assert out["on"] == out["off"]
     assert sorted(out["reused"][0]) == [0, 20] and all(n >= 20 for n in out["reused"][1] + out["reused"][2])
+
+
+def test_the_switch_precedence(monkeypatch):
+    """A caller's setting, then --prefix-reuse ($BPCOMPILE_PREFIX_REUSE), then the recipe's (auto: the default, on);
+    a bad value names the variable (exit 2)."""
+    from bpcompile.core.errors import UserError
+    from bpcompile.runtime.generator import _prefix_reuse
+
+    monkeypatch.delenv("BPCOMPILE_PREFIX_REUSE", raising=False)
+    assert _prefix_reuse(None, "auto") is None and _prefix_reuse(None, False) is False
+    monkeypatch.setenv("BPCOMPILE_PREFIX_REUSE", "off")
+    assert _prefix_reuse(None, True) is False and _prefix_reuse(True, False) is True
+    monkeypatch.setenv("BPCOMPILE_PREFIX_REUSE", "on")
+    assert _prefix_reuse(None, False) is True
+    monkeypatch.setenv("BPCOMPILE_PREFIX_REUSE", "yes")
+    with pytest.raises(UserError, match="BPCOMPILE_PREFIX_REUSE"):
+        _prefix_reuse(None, "auto")

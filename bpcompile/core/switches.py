@@ -17,12 +17,24 @@ KERNELS = "BPCOMPILE_KERNELS"
 CPU_KERNELS = ("BPCOMPILE_CPU_ROWS", "BPCOMPILE_CPU_DECODE")
 KV_MEMORY_LIMIT = "BPCOMPILE_KV_MEMORY_LIMIT"
 CUDA_GRAPHS = "BPCOMPILE_CUDA_GRAPHS"
+PREFIX_REUSE = "BPCOMPILE_PREFIX_REUSE"
 
 
 def _set(names: tuple[str, ...], value: str | None) -> None:
     if value is not None:
         for name in names:
             os.environ[name] = value
+
+
+def prefix_reuse_override() -> bool | None:
+    """$BPCOMPILE_PREFIX_REUSE (`--prefix-reuse`): on -> True, off -> False; unset -> None (the engine's
+    runtime.prefix_reuse decides)."""
+    value = os.environ.get(PREFIX_REUSE, "")
+    if value not in ("", "on", "off"):
+        from bpcompile.core.errors import UserError
+
+        raise UserError(f"{PREFIX_REUSE}={value!r}: expected on or off", key=PREFIX_REUSE)
+    return {"on": True, "off": False}.get(value)
 
 
 def runtime_options(command):
@@ -37,6 +49,15 @@ def runtime_options(command):
         help="Steps after prefill from static per-bucket buffers, captured as CUDA graphs on CUDA: auto (on for "
         "CUDA where the engine allows it), on (also on CPU, where they run eagerly; an error where the engine "
         "does not allow it), off [default: the engine's runtime.cuda_graphs].",
+    )(command)
+    command = click.option(
+        "--prefix-reuse",
+        type=click.Choice(["on", "off"]),
+        default=None,
+        expose_value=False,
+        callback=lambda ctx, p, v: _set((PREFIX_REUSE,), v),
+        help="Prefix reuse: a prompt starts from the cached KV pages of the leading full pages an earlier prompt "
+        "computed (outputs equal either way) [default: the engine's runtime.prefix_reuse].",
     )(command)
     command = click.option(
         "--cpu-kernels",

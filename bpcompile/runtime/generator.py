@@ -72,6 +72,16 @@ def _plan_key(store) -> str:
     return "" if plan is None else json.dumps(plan.to_json(), sort_keys=True, default=str)
 
 
+def _prefix_reuse(given: Optional[bool], recipe) -> Optional[bool]:
+    """The prefix-reuse setting: the caller's, else $BPCOMPILE_PREFIX_REUSE's, else the recipe's (auto: None)."""
+    from bpcompile.core.switches import prefix_reuse_override
+
+    for value in (given, prefix_reuse_override()):
+        if value is not None:
+            return value
+    return None if recipe == "auto" else recipe
+
+
 class Generator:
     """Single-threaded in-flight batching engine over a verifier and an optional draft: the scheduler admits
     requests, the executors run the models over their paged caches, the speculative step drafts, verifies and
@@ -240,8 +250,8 @@ class Generator:
         directory without a manifest (assembled by hand, not published by a build) has nothing to check against.
         cuda_graphs: auto | on | off (see __init__); default: $BPCOMPILE_CUDA_GRAPHS (`--cuda-graphs`), else the
         engine's runtime.cuda_graphs.
-        prefix_reuse: overrides the engine's runtime.prefix_reuse (None: the engine's).
-        prefix_reuse: overrides the engine's runtime.prefix_reuse (None: the engine's).
+        prefix_reuse: overrides the engine's runtime.prefix_reuse (None: $BPCOMPILE_PREFIX_REUSE, `--prefix-reuse`,
+        else the engine's).
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if verify_enabled(verify) and _rank == 0 and (d / MANIFEST).is_file():  # before rank 0 starts the others
@@ -349,9 +359,7 @@ class Generator:
                 graphs=d / "onnx",
                 # at tp > 1 rank 0 decides which pages a prompt reuses; every rank keeps and fills its own
                 # heads' copies of them (Executor.adopt / publish over the tensor channel)
-                prefix_reuse={"auto": None}.get(cfg.runtime.prefix_reuse, cfg.runtime.prefix_reuse)
-                if prefix_reuse is None
-                else prefix_reuse,
+                prefix_reuse=_prefix_reuse(prefix_reuse, cfg.runtime.prefix_reuse),
                 salt=_engine_salt(d),
                 cuda_graphs=cuda_graphs,
                 # a chunk's K/V copy is rank 0's alone (the tensor-parallel channel does not carry it)

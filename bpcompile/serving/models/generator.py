@@ -40,7 +40,7 @@ and latency histograms (bpcompile/serving/generator_metrics.py); and, labelled w
 bpcompile_generator_steps_total,
 bpcompile_generator_requests (in the batch or queued for it), bpcompile_generator_cancelled_total,
 bpcompile_generator_kv_pages_used, bpcompile_generator_prefix_hit_rate (prompt tokens taken from the prefix
-cache / prompt tokens admitted). Each cancellation is also logged with the generator step it was seen at.
+cache / prompt tokens admitted), bpcompile_generator_prefix_cached_pages (verifier pages the prefix cache holds). Each cancellation is also logged with the generator step it was seen at.
 """
 import json
 import time
@@ -93,6 +93,7 @@ class _TritonLoop(InflightLoop):
         m.set("kv_pages", self.gen.vkv.held_pages())
         ps = self.gen.prefix_stats
         m.set("prefix_hit_rate", ps["reused_tokens"] / ps["prompt_tokens"] if ps["prompt_tokens"] else 0.0)
+        m.set("prefix_pages", len(self.gen.vkv.hash_of))
         active = len(self.running) + self.inbox.qsize()
         self.model.trt_metrics.turn(self.gen, active, self.steps, self.tally, idle=not self.running)
         self.tally = StepTally()
@@ -141,7 +142,9 @@ class _Metrics:
             "requests": ("bpcompile_generator_requests", "requests in the generator's batch or queued for it"),
             "kv_pages": ("bpcompile_generator_kv_pages_used", "verifier KV cache pages held by requests"),
             "prefix_hit_rate": ("bpcompile_generator_prefix_hit_rate",
-                                "share of the prompt tokens admitted whose KV came from the prefix cache")}
+                                "share of the prompt tokens admitted whose KV came from the prefix cache"),
+            "prefix_pages": ("bpcompile_generator_prefix_cached_pages",
+                             "verifier KV pages the prefix cache holds (shared by requests or kept for later ones)")}
 
     def __init__(self, labels: dict):
         self.families, self.metrics, self.last = [], {}, {}
@@ -178,7 +181,13 @@ class TritonPythonModel:
         device = params.get("device", "cpu")  # cpu, cuda or auto (the recipe's runtime.device)
         if args.get("model_instance_kind") == "GPU" and device != "cpu":  # a KIND_GPU instance: Triton's GPU
             device = f"cuda:{args['model_instance_device_id']}"
-        self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None, device=device)
+        # tensorrtllm_backend's switch, enable_kv_cache_reuse (true / false) among the model's parameters; serve's
+        # --prefix-reuse (in the environment) comes first, and without either the engine's runtime.prefix_reuse
+        from bpcompile.core.switches import prefix_reuse_override
+
+        reuse = {"true": True, "false": False}.get(params.get("enable_kv_cache_reuse", "").strip().lower())
+        self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None, device=device,
+                                         prefix_reuse=reuse if prefix_reuse_override() is None else None)
         self.max_seq_len, self.max_input_len = self.gen.max_seq_len, self.gen.max_input_len
         self.exclude_default = params.get("exclude_input_in_output", "true").lower() not in ("false", "0", "no")
         self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
