@@ -5,7 +5,13 @@ tritonserver on an emitted repository, the endpoint in this process, `bench_remo
     .venv/bin/python benchmarks/bench_openai.py triton_repo/ --concurrency 1,4 --requests 16 --max-tokens 32 --repeats 3
 
 Prints a markdown table: per protocol and concurrency, median [min, max] over repeats of TTFT p50, time per
-output token p50 and output tokens/s."""
+output token p50 and output tokens/s.
+
+    .venv/bin/python benchmarks/bench_openai.py triton_repo/ --load --streams 128 --idle 1000 --max-tokens 32
+
+--load instead holds `--idle` connections that sent a request head and one byte of a 100-byte body (slow
+clients), runs `--streams` concurrent /v1/completions streams, and meanwhile times a new /v1/models request and a
+new 1-token completion; it prints whether every stream completed and those times."""
 
 from __future__ import annotations
 
@@ -26,7 +32,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--load", action="store_true", help="the load check (streams + idle slow-body connections)")
+    ap.add_argument("--streams", type=int, default=128)
+    ap.add_argument("--idle", type=int, default=1000)
     a = ap.parse_args()
+    if a.load:
+        return load(a)
     levels = [int(c) for c in a.concurrency.split(",")]
     rows: dict = {}
     with ServerProcess(a.repo, log_file=Path("/tmp/bench_openai_server.log"), startup_timeout=300) as s:
@@ -60,6 +71,68 @@ def main() -> int:
             f"{fmt([r['tpot_s']['p50'] for r in rs], 1e3, 2)} | {fmt([r['output_tokens_per_s'] for r in rs])} |"
         )
     return 0
+
+
+def load(a) -> int:
+    import json
+    import socket
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    with ServerProcess(a.repo, log_file=Path("/tmp/bench_openai_server.log"), startup_timeout=300) as s:
+        front = OpenAIFrontend(a.repo, s.grpc_url).start()
+        client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0, timeout=600)
+        host, port = front.sock.getsockname()[:2]
+        idle = []
+        try:
+            for _ in range(a.idle):
+                c = socket.create_connection((host, port))
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+                idle.append(c)
+
+            def stream(i):
+                t0 = time.perf_counter()
+                chunks = list(
+                    client.completions.create(
+                        model=front.model_id,
+                        prompt=DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)],
+                        max_tokens=a.max_tokens,
+                        temperature=0,
+                        stream=True,
+                    )
+                )
+                return chunks[-1].choices[0].finish_reason, time.perf_counter() - t0
+
+            with ThreadPoolExecutor(a.streams) as pool:
+                t0 = time.perf_counter()
+                running = [pool.submit(stream, i) for i in range(a.streams)]
+                time.sleep(1.0)  # the streams are in the batch
+                t1 = time.perf_counter()
+                client.models.list()
+                models_s = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                client.completions.create(model=front.model_id, prompt="Hello", max_tokens=1, temperature=0)
+                completion_s = time.perf_counter() - t1
+                done = [f.result() for f in running]
+                wall = time.perf_counter() - t0
+        finally:
+            for c in idle:
+                c.close()
+            front.stop()
+    out = {
+        "streams": a.streams,
+        "idle_connections": a.idle,
+        "max_tokens": a.max_tokens,
+        "completed": sum(r == "length" or r == "stop" for r, _ in done),
+        "new_models_request_s": round(models_s, 3),
+        "new_completion_s": round(completion_s, 3),
+        "stream_latency_max_s": round(max(t for _, t in done), 2),
+        "wall_s": round(wall, 2),
+    }
+    print(json.dumps(out, indent=2))
+    return 0 if out["completed"] == a.streams and models_s <= 1.0 else 1
 
 
 if __name__ == "__main__":

@@ -1149,3 +1149,18 @@ def test_presence_frequency_and_min_tokens(pair):
     assert all(len(t) >= 10 for t, _ in ref)
     with pytest.raises(UserError, match="min_tokens"):
         Generator(v, None, None).add_request([5], SamplingParams(max_tokens=4, min_tokens=5))
+
+
+def test_openai_penalties_count_generated_tokens_only():
+    """penalties_over_output (the OpenAI API's definition): presence / frequency count the last `generated` tokens
+    only and are not scaled by the temperature; repetition_penalty still covers the prompt."""
+    from bpcompile.runtime.request import apply_penalties
+
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, temperature=2.0, penalties_over_output=True)
+    row = torch.tensor([1.0, 2.0, -1.0, 4.0, 0.5])
+    # prompt [2, 2], generated [3, 0, 3]: token 3 twice, token 0 once; token 2 (prompt only) untouched
+    got = apply_penalties(row, p, [2, 2, 3, 0, 3], generated=3)
+    assert got.tolist() == [1.0 - 0.75, 2.0, -1.0, 4.0 - 1.0, 0.5]
+    assert apply_penalties(row, p, [2, 2], generated=0).tolist() == row.tolist()
+    p.repetition_penalty = 2.0
+    assert apply_penalties(row, p, [2, 2], generated=0).tolist() == [1.0, 2.0, -2.0, 4.0, 0.5]

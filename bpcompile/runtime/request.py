@@ -28,6 +28,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    # the OpenAI API's presence / frequency penalties instead: over the generated tokens only, subtracted from the
+    # logits before temperature (repetition_penalty still covers the whole sequence)
+    penalties_over_output: bool = False
     logprobs: bool = False  # return each generated token's log probability (see token_logprobs)
     context_logits: bool = False  # return the verifier's logits at every prompt position (first output)
     generation_logits: bool = False  # return the verifier's logits each generated token was chosen from
@@ -122,10 +125,13 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, seen: list[int], gener
         x = row[ids]
         if p.repetition_penalty != 1.0:
             x = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-        # additive terms scaled by the temperature, so that they act on logits / temperature as TensorRT-LLM's do
-        scale = p.temperature if p.temperature > 0 else 1.0
-        x = x - scale * (p.presence_penalty + p.frequency_penalty * counts.to(x.dtype))
         row[ids] = x
+        if p.penalties_over_output:  # the counts of the generated tokens, on the logits as they are
+            scale, gen = 1.0, seen[len(seen) - generated :] if generated > 0 else []
+            ids, counts = torch.tensor(gen, device=row.device, dtype=torch.long).unique(return_counts=True)
+        else:  # scaled by the temperature, so that they act on logits / temperature as TensorRT-LLM's do
+            scale = p.temperature if p.temperature > 0 else 1.0
+        row[ids] = row[ids] - scale * (p.presence_penalty + p.frequency_penalty * counts.to(row.dtype))
     if generated < p.min_tokens:
         for end in ([p.end_id] if p.end_id is not None else []) + list(p.end_ids):
             row[end] = float("-inf")

@@ -175,6 +175,14 @@ def emit(
     "port, in front of tritonserver.",
 )
 @click.option(
+    "--api-key",
+    envvar="BPCOMPILE_API_KEY",
+    default=None,
+    help="With --openai-port: answer /v1 requests only with the header Authorization: Bearer <key> (401 "
+    "otherwise; /health and /metrics stay open). Prefer the environment variable BPCOMPILE_API_KEY: a command "
+    "line is visible to other local users.",
+)
+@click.option(
     "--health-port",
     type=click.IntRange(1, 65535),
     default=None,
@@ -219,6 +227,7 @@ def serve(
     repository_token,
     drain_timeout,
     openai_port,
+    api_key,
     device,
     health_port,
     open_shared_memory,
@@ -266,6 +275,7 @@ def serve(
         openai_port=openai_port,
         health_port=health_port,
         open_shared_memory=open_shared_memory,
+        api_key=api_key,
     )
     sys.exit(code)
 

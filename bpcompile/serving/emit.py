@@ -364,7 +364,11 @@ def preprocessing_config(max_batch_size: int, policy, instances: int = 1) -> mc.
 # request sent to the generator itself does a client's cancellation or disconnect reach the generation loop. It
 # tells its interfaces apart by input_ids, so every input is optional.
 _TRTLLM_NAMES = {n for n, _, _ in TRTLLM_MODEL_INPUTS}
-GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in _TRTLLM_NAMES]
+GENERATOR_TEXT_INPUTS = [i for i in ENSEMBLE_INPUTS if i[0] not in _TRTLLM_NAMES] + [
+    # presence / frequency penalties as the OpenAI API defines them (over the generated tokens, before temperature)
+    # rather than TensorRT-LLM's (the whole sequence, after temperature): what the OpenAI endpoint sends
+    ("penalties_over_output", T.TYPE_BOOL, [1], True),
+]
 GENERATOR_TEXT_OUTPUTS = [
     ("text_output", T.TYPE_STRING, [-1]),
     ("response_index", T.TYPE_INT32, [1]),

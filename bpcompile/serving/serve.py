@@ -630,10 +630,12 @@ def serve(
     openai_port=None,
     health_port=None,
     open_shared_memory=False,
+    api_key=None,
 ) -> int:
     """Start tritonserver, wait until the ensemble is ready, print the endpoints, and block until SIGINT or
     SIGTERM; then drain and stop it (a second signal skips what is left of the drain). openai_port: also serve
-    the OpenAI-compatible endpoint there (serving/openai_frontend.py), in this process; health_port: serve
+    the OpenAI-compatible endpoint there (serving/openai_frontend.py), in this process, asking for `api_key` as
+    `Authorization: Bearer` where given; health_port: serve
     /health there (Health), which is what a supervisor should probe.
 
     A model instance whose process dies (killed, crashed) is not recovered in place: tritonserver keeps it
@@ -686,7 +688,9 @@ def serve(
             from bpcompile.serving.openai_frontend import OpenAIFrontend
 
             frontend = _bind(
-                "--openai-port", openai_port, lambda: OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port)
+                "--openai-port",
+                openai_port,
+                lambda: OpenAIFrontend(repo_dir, s.grpc_url, host=host, port=openai_port, api_key=api_key),
             )
             frontend.health = health.problem
         log(f"starting tritonserver (log: {s.log_where})")

@@ -278,6 +278,7 @@ class TritonPythonModel:
                                 presence_penalty=scalar(get, "presence_penalty", 0.0, float),
                                 frequency_penalty=scalar(get, "frequency_penalty", 0.0, float),
                                 penalties_over_output=scalar(get, "penalties_over_output", False, bool),
+                                penalties_over_output=scalar(get, "penalties_over_output", False, bool),
                                 min_tokens=scalar(get, "min_tokens", 0, int),
                                 context_logits=scalar(get, "return_context_logits", False, bool),
                                 generation_logits=scalar(get, "return_generation_logits", False, bool))
