@@ -215,7 +215,6 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
         assert backend_client_request(url, p, MAX_TOKENS, stream=True, exclude=False) == want
     refused = {
         "beam_width": np.array([[2]], np.int32),
-        "num_return_sequences": np.array([[2]], np.int32),
         "prompt_vocab_size": np.array([[5]], np.int32),
         "lora_task_id": np.array([[7]], np.uint64),
     }
@@ -361,6 +360,155 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     }.items():
         with pytest.raises(RemoteError, match=name):
             inflight_client_request(server.grpc_url, prompts[0], 4, stream=False, **{name: value})
+
+
+def test_backend_clients_sequences_batches_perf_and_logits(server, reference, tokenizer):
+    """The requests end_to_end_grpc_client.py sends with -n 2, --batch-inputs and --return-perf-metrics, and
+    inflight_batcher_llm_client.py with --streaming --return-context-logits: each sequence and each batch row is
+    answered by responses that name it (sequence_index, batch_index), every response carries the perf outputs
+    requested, and the last streamed response carries the context logits (the client keeps the last one's). The
+    clients' default sampling inputs (temperature 1.0, no top_k / top_p) are greedy, as TensorRT-LLM makes them."""
+    p0, p1 = PROMPTS[:2]
+    want = {p: tokenizer.decode(reference[p]) for p in (p0, p1)}
+
+    def texts(inputs, outputs):
+        """The responses, and the text of each (batch_index, sequence_index) as the client assembles it."""
+        got: dict = {}
+        rs = stream_request(server.grpc_url, "ensemble", inputs, outputs=outputs)
+        for r in rs:
+            b = r.as_numpy("batch_index") if "batch_index" in outputs else None
+            s = r.as_numpy("sequence_index") if "sequence_index" in outputs else None
+            key = (0 if b is None else int(b[0][0]), 0 if s is None else int(s[0][0]))
+            got[key] = got.get(key, "") + r.as_numpy("text_output")[0].decode()
+        return rs, got
+
+    base = {
+        "max_tokens": np.array([[MAX_TOKENS]], np.int32),
+        "stream": np.array([[True]]),
+        "beam_width": np.array([[1]], np.int32),
+        "temperature": np.array([[1.0]], np.float32),
+    }
+    # -n 2: two sequences, each greedy here (the client's default inputs)
+    one = {"text_input": np.array([[p0]], dtype=object), "num_return_sequences": np.array([[2]], np.int32), **base}
+    assert texts(one, ["text_output", "sequence_index"])[1] == {(0, 0): want[p0], (0, 1): want[p0]}
+    # --batch-inputs: the client stacks its per-prompt inputs into one [2, 1] request
+    batch = {k: np.concatenate([v, v]) for k, v in base.items()}
+    batch["text_input"] = np.array([[p0], [p1]], dtype=object)
+    assert texts(batch, ["text_output", "batch_index"])[1] == {(0, 0): want[p0], (1, 0): want[p1]}
+    # --return-perf-metrics: the KV blocks, timestamps and speculation statistics in every response
+    perf = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns"]
+    perf += ["first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate"]
+    perf += ["total_accepted_draft_tokens", "total_draft_tokens"]
+    req = {"text_input": np.array([[p0]], dtype=object), "return_perf_metrics": np.array([[True]]), **base}
+    rs, got = texts(req, ["text_output"] + perf)
+    assert len(rs) > 1 and got == {(0, 0): want[p0]}
+    for r in rs:
+        m = {k: r.as_numpy(k)[0][0] for k in perf}
+        assert 0 < m["arrival_time_ns"] <= m["first_scheduled_time_ns"] <= m["first_token_time_ns"]
+        assert m["kv_cache_alloc_total_blocks"] >= 1 and m["total_draft_tokens"] >= m["total_accepted_draft_tokens"]
+    # --streaming --return-context-logits to tensorrt_llm: the last response's context logits are the prompt's
+    ids = tokenizer.encode(p1).ids
+    rs = inflight_client_request(
+        server.grpc_url, ids, 8, stream=True, raw=True, return_context_logits=np.array([[True]])
+    )
+    first, last = rs[0].as_numpy("context_logits"), rs[-1].as_numpy("context_logits")
+    assert len(rs) > 1 and first.shape[:2] == (1, len(ids)) and np.array_equal(first, last)
+
+
+def test_stop_requests_and_sampling_defaults(server, tokenizer):
+    """A stop request (inflight_batcher_llm_client.py --stop-after-ms without --stop-via-request-cancel: input_ids
+    [1, 1], input_lengths 0, request_output_len 0, stop true) is refused as what it is. TensorRT-LLM's sampling
+    setup: top_k 0 with top_p 0 (or neither sent) is greedy whatever the temperature; top_p 0 with top_k > 0 is
+    top-k alone; top_p 1 with top_k 0 samples."""
+    from bpcompile.runtime.generator import Generator, SamplingParams
+
+    stop = {
+        "input_ids": np.empty([1, 1], np.int32),
+        "input_lengths": np.zeros([1, 1], np.int32),
+        "request_output_len": np.array([[0]], np.int32),
+        "stop": np.array([[True]]),
+    }
+    with pytest.raises(RemoteError, match="stop=true .* is not supported: cancel the request"):
+        stream_request(server.grpc_url, "tensorrt_llm", stop)
+    ids = tokenizer.encode(PROMPTS[3]).ids
+    ((greedy, _),) = Generator.from_engine(server.engines[1]).generate([ids], SamplingParams(max_tokens=16))
+    hot = {"temperature": np.array([[1.5]], np.float32)}
+    bare = {  # neither top_k nor top_p
+        "input_ids": np.array([ids], np.int32),
+        "input_lengths": np.array([[len(ids)]], np.int32),
+        "request_output_len": np.array([[16]], np.int32),
+        **hot,
+    }
+    (r,) = stream_request(server.grpc_url, "tensorrt_llm", bare)
+    assert list(r.as_numpy("output_ids")[0][0]) == greedy
+    for k, p in ((0, 0.0), (1, 0.0)):
+        extra = dict(hot, runtime_top_k=np.array([[k]], np.int32), runtime_top_p=np.array([[p]], np.float32))
+        (r,) = inflight_client_request(server.grpc_url, ids, 16, stream=False, raw=True, **extra)
+        assert list(r.as_numpy("output_ids")[0][0]) == greedy, (k, p)
+    sampled = []
+    for seed in range(4):
+        extra = dict(hot, runtime_top_k=np.array([[0]], np.int32), runtime_top_p=np.array([[1.0]], np.float32))
+        extra["seed"] = np.array([[seed]], np.uint64)
+        (r,) = inflight_client_request(server.grpc_url, ids, 16, stream=False, raw=True, **extra)
+        sampled.append(list(r.as_numpy("output_ids")[0][0]))
+    assert any(s != greedy for s in sampled)
+
+
+@pytest.fixture(scope="module")
+def unary_server(engines, tmp_path_factory):
+    """The same engine version in a repository emitted with triton.decoupled false."""
+    repo = tmp_path_factory.mktemp("triton-unary") / "repo"
+    emit_repository([(1, engines[1])], repo, decoupled=False)
+    with ServerProcess(repo, log_file=repo.parent / "server.log", startup_timeout=240) as s:
+        yield s
+
+
+def test_unary_infer_against_a_non_decoupled_repository(unary_server, reference, tokenizer):
+    """gRPC ModelInfer and HTTP /infer (tritonclient's infer: what inflight_batcher_llm_client.py does without
+    --streaming, and perf_analyzer without --streaming) get one response with the whole result, from the ensemble
+    (end_to_end_grpc_client.py's inputs: temperature 1.0, so greedy) and from tensorrt_llm (token ids); streaming
+    and several sequences in one request are refused by name."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    p = PROMPTS[0]
+    ens = {
+        "text_input": np.array([[p]], dtype=object),
+        "max_tokens": np.array([[MAX_TOKENS]], np.int32),
+        "temperature": np.array([[1.0]], np.float32),
+        "exclude_input_in_output": np.array([[True]]),
+    }
+    ids = tokenizer.encode(p).ids
+    gen = {
+        "input_ids": np.array([ids], np.int32),
+        "input_lengths": np.array([[len(ids)]], np.int32),
+        "request_output_len": np.array([[MAX_TOKENS]], np.int32),
+        "temperature": np.array([[1.0]], np.float32),
+        "runtime_top_k": np.array([[1]], np.int32),
+        "end_id": np.array([[tokenizer.token_to_id("</s>")]], np.int32),  # as the reference
+    }
+    for mod, url in ((grpcclient, unary_server.grpc_url), (httpclient, unary_server.http_url)):
+        c = mod.InferenceServerClient(url)
+
+        def infer(model, inputs):
+            ts = []
+            for k, v in inputs.items():
+                t = mod.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype))
+                t.set_data_from_numpy(v)
+                ts.append(t)
+            return c.infer(model, ts)
+
+        assert infer("ensemble", ens).as_numpy("text_output")[0].decode() == tokenizer.decode(reference[p])
+        r = infer("tensorrt_llm", gen)
+        assert list(r.as_numpy("output_ids")[0][0]) == reference[p] and r.as_numpy("sequence_length")[0][0] == len(
+            reference[p]
+        )
+        with pytest.raises(InferenceServerException, match="streaming needs a decoupled repository"):
+            infer("ensemble", dict(ens, stream=np.array([[True]])))
+        with pytest.raises(InferenceServerException, match="asks for 2 sequences"):
+            infer("ensemble", dict(ens, num_return_sequences=np.array([[2]], np.int32)))
+        c.close()
 
 
 def test_sixteen_concurrent_clients(server, reference):

@@ -264,7 +264,6 @@ def answer_each(pb_utils, requests, one, model: str) -> list:
 # change a single-beam result, or refused per request, never an unknown-input error.
 OFF_VALUES = {  # refused unless one of these values (what the backend treats as "off")
     "beam_width": (1,),
-    "num_return_sequences": (1,),
 }
 ABSENT_ONLY = (
     "decoder_text_input",

@@ -43,6 +43,7 @@ bpcompile_generator_kv_pages_used, bpcompile_generator_prefix_hit_rate (prompt t
 cache / prompt tokens admitted), bpcompile_generator_prefix_cached_pages (verifier pages the prefix cache holds). Each cancellation is also logged with the generator step it was seen at.
 """
 import json
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -72,6 +73,40 @@ class _Job(LoopRequest):
     arrival_ns: int = field(default_factory=time.time_ns)
     first_token_ns: int = 0
     last_token_ns: int = 0
+    batch_index: int = 0  # which row of the request's batch (tensorrtllm_backend's batch_index output)
+    seq_index: int = 0    # which of its num_return_sequences (sequence_index)
+
+
+class _Shared:
+    """One request's response sender, shared by the sequences it asks for (batch rows x num_return_sequences,
+    as tensorrtllm_backend answers them: each its own responses, told apart by batch_index / sequence_index).
+    A sequence's final response ends the request only when it is the last one; an error ends it at once, and the
+    other sequences then see it cancelled before the next step."""
+
+    def __init__(self, sender, n: int):
+        self.sender, self.left, self.closed = sender, n, False
+        self.lock = threading.Lock()
+
+    def is_cancelled(self) -> bool:
+        return self.closed or self.sender.is_cancelled()
+
+    def send(self, response=None, flags=0):
+        with self.lock:
+            if self.closed:
+                return
+            if flags & FINAL:
+                if response is not None and response.has_error():
+                    self.left = 0
+                else:
+                    self.left -= 1
+                if self.left > 0:
+                    flags = 0
+                else:
+                    self.closed = True
+            if response is None:
+                self.sender.send(flags=flags)
+            else:
+                self.sender.send(response, flags=flags)
 
 
 class _TritonLoop(InflightLoop):
@@ -189,6 +224,7 @@ class TritonPythonModel:
         self.gen = Generator.from_engine(engine_dir, tree=TreeSpec(**tree) if tree else None, device=device,
                                          prefix_reuse=reuse if prefix_reuse_override() is None else None)
         self.max_seq_len, self.max_input_len = self.gen.max_seq_len, self.gen.max_input_len
+        self.max_sequences = max(1, int(self.model_config.get("max_batch_size", 1)))
         self.exclude_default = params.get("exclude_input_in_output", "true").lower() not in ("false", "0", "no")
         self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
         self.logger = pb_utils.Logger
@@ -211,12 +247,47 @@ class TritonPythonModel:
 
     # --- request intake (Triton's thread) ---------------------------------------------------------------
 
-    def _parse(self, request):
-        from bpcompile.runtime.generator import SamplingParams
+    def _parse(self, request) -> list:
+        """The request's jobs: one per row of its batch (--batch-inputs of tensorrtllm_backend's clients) and per
+        sequence it asks for (num_return_sequences; sequence s samples with seed + s)."""
 
         def get(name):
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
+
+        first = get("input_ids")
+        first = get("text_input") if first is None else first
+        rows = int(np.asarray(first).shape[0]) if first is not None and np.asarray(first).ndim > 1 else 1
+
+        def row(i):
+            def g(name):
+                a = get(name)
+                if a is None or rows == 1:
+                    return a
+                a = np.asarray(a)
+                return a[i:i + 1] if a.ndim and a.shape[0] == rows else a
+            return g
+
+        jobs = []
+        for i in range(rows):
+            n = scalar(row(i), "num_return_sequences", 1, int)
+            if not 1 <= n <= self.max_sequences:
+                raise BadRequest(f"num_return_sequences must be in [1, {self.max_sequences}] (the model's "
+                                 f"max_batch_size), got {n}")
+            for s in range(n):
+                job = self._parse_one(row(i))
+                job.batch_index, job.seq_index = i, s
+                if s and job.params.seed is not None:
+                    job.params.seed = (job.params.seed + s) & 0xFFFFFFFFFFFFFFFF
+                jobs.append(job)
+        if len(jobs) > 1 and not self.decoupled:
+            raise BadRequest(f"this request asks for {len(jobs)} sequences (batch rows x num_return_sequences); a "
+                             "repository emitted with triton.decoupled false answers one per request: send them "
+                             "one at a time, or emit with --decoupled")
+        return jobs
+
+    def _parse_one(self, get):
+        from bpcompile.runtime.generator import SamplingParams
 
         # first: a request of a kind bpcompile does not serve (a stop request carries no prompt) is refused by name
         exclude = backend_options(get, self.exclude_default)
@@ -278,7 +349,6 @@ class TritonPythonModel:
                                 presence_penalty=scalar(get, "presence_penalty", 0.0, float),
                                 frequency_penalty=scalar(get, "frequency_penalty", 0.0, float),
                                 penalties_over_output=scalar(get, "penalties_over_output", False, bool),
-                                penalties_over_output=scalar(get, "penalties_over_output", False, bool),
                                 min_tokens=scalar(get, "min_tokens", 0, int),
                                 context_logits=scalar(get, "return_context_logits", False, bool),
                                 generation_logits=scalar(get, "return_generation_logits", False, bool))
@@ -297,7 +367,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                job = self._parse(request)
+                jobs = self._parse(request)
             except BadRequest as e:
                 sender.send(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
@@ -308,10 +378,13 @@ class TritonPythonModel:
                     "the generator could not read the request (an internal error; the server log has the "
                     "details)", pb_utils.TritonError.INTERNAL)), flags=FINAL)
                 continue
-            job.sender = sender
-            if not self.drain.submit(self.loop.submit, job):
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)), flags=FINAL)
+            shared = _Shared(sender, len(jobs))
+            for job in jobs:
+                job.sender = shared
+                if not self.drain.submit(self.loop.submit, job):
+                    shared.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)), flags=FINAL)
+                    break
         return None  # decoupled or not, responses go through the senders, from the loop thread
 
     def _send(self, job, start, o):
@@ -365,7 +438,7 @@ class TritonPythonModel:
                      t("first_token_time_ns", [job.first_token_ns], np.int64),
                      t("last_token_time_ns", [job.last_token_ns], np.int64)]
         outs += [t("output_ids", [new], np.int32), t("sequence_length", [len(new)], np.int32),
-                 t("batch_index", [0], np.int32), t("sequence_index", [0], np.int32),
+                 t("batch_index", [job.batch_index], np.int32), t("sequence_index", [job.seq_index], np.int32),
                  t("num_input_tokens", [len(job.prompt)], np.int32), t("num_output_tokens", [len(job.out)], np.int32)]
         resp = pb_utils.InferenceResponse(output_tensors=outs + [
             t("acceptance_rate", [accepted / drafted if drafted else 0.0], np.float32),

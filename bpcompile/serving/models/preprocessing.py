@@ -39,7 +39,36 @@ class TritonPythonModel:
         self.alive.close()
 
     def _one(self, request):
-        get = lambda name: _optional(request, name)  # noqa: E731
+        """A request of B rows (tensorrtllm_backend's clients batch prompts with --batch-inputs): each row
+        tokenized on its own, the rows' ids right-padded to the longest (REQUEST_INPUT_LEN says where each ends;
+        word lists padded with id 0 / offset -1, which ends a list), as the backend's preprocessing pads them."""
+        query = _optional(request, "QUERY")
+        rows = int(np.asarray(query).shape[0]) if query is not None and np.asarray(query).ndim > 1 else 1
+        if rows == 1:
+            return self._row(lambda name: _optional(request, name))
+        outs = []
+        for i in range(rows):
+            def get(name, i=i):
+                a = _optional(request, name)
+                return a[i:i + 1] if a is not None and a.ndim and a.shape[0] == rows else a
+            outs.append({t.name(): t.as_numpy() for t in self._row(get).output_tensors()})
+        merged = []
+        for name, fill in (("INPUT_ID", None), ("REQUEST_INPUT_LEN", 0), ("REQUEST_OUTPUT_LEN", 0),
+                           ("STOP_WORDS_IDS", 0), ("BAD_WORDS_IDS", 0), ("OUT_END_ID", 0), ("OUT_PAD_ID", 0)):
+            parts = [o[name] for o in outs]
+            width = max(p.shape[-1] for p in parts)
+            padded = []
+            for o, p in zip(outs, parts):
+                pad = [(0, 0)] * (p.ndim - 1) + [(0, width - p.shape[-1])]
+                if name.endswith("WORDS_IDS"):  # row 0 (ids) with 0, row 1 (offsets) with -1
+                    p = np.concatenate([np.pad(p[:, :1], pad), np.pad(p[:, 1:], pad, constant_values=-1)], axis=1)
+                else:
+                    p = np.pad(p, pad, constant_values=o["OUT_PAD_ID"].item() if fill is None else fill)
+                padded.append(p)
+            merged.append(pb_utils.Tensor(name, np.concatenate(padded).astype(parts[0].dtype)))
+        return pb_utils.InferenceResponse(output_tensors=merged)
+
+    def _row(self, get):
         ids = self.text.prompt(get("QUERY"))
         max_tokens = scalar(get, "REQUEST_OUTPUT_LEN", DEFAULT_MAX_TOKENS, int)
         if max_tokens <= 0:
