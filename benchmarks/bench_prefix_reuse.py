@@ -14,8 +14,8 @@ prefix cache except for what earlier conversations left (the shared system promp
 first token: from submitting the request to its first output token (prefill of verifier and draft), wall and
 this process's CPU time. Reported per
 turn: the median TTFT of each mode and the ratio off / on; the tokens taken from the cache; whether the greedy
-answers agree (a quantized plan's reused prefix is read in its stored form, where a full prefill reads it
-unquantized); and the pages the cache holds at the end (referenced and cached, with their bytes).
+answers agree (they should: a reused prefix is attended to as computed, for every KV plan); and the pages the
+cache holds at the end (referenced and cached, with their bytes and those of their host-side copies).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def main() -> None:
     print(f"greedy answers equal with reuse on and off: {agree}/{len(rows)} turns")
     print(
         f"cache at the end: {memory['cached_pages']} cached pages ({memory['cached_mib']:.1f} MiB of the store, "
-        f"{memory['dense_copies_mib']:.1f} MiB of dense float copies) of {memory['pool_pages']} "
+        f"{memory['dense_copies_mib']:.1f} MiB of host-side float copies) of {memory['pool_pages']} "
         f"({memory['pool_mib']:.0f} MiB pool), {memory['referenced_pages']} referenced, "
         f"{memory['evicted_pages']} evicted"
     )

@@ -329,8 +329,16 @@ def _levels(ctx, param, value) -> list[int]:
     default=None,
     help="Draw TTFT, time per output token and throughput against concurrency into this PNG.",
 )
+@click.option(
+    "--warmup",
+    type=click.IntRange(0),
+    default=1,
+    show_default=True,
+    help="Requests sent (the first prompts) before the timed ones. 0, e.g. to time the first sight of a prompt "
+    "by a server that caches prompt prefixes.",
+)
 @click.option("--json", "as_json", is_flag=True)
-def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json):
+def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, warmup, as_json):
     """Load a running server and print what genai-perf prints (time to first and second token, inter-token
     latency, request latency, output tokens/s per user: avg, p50, p90, p99; output token and request
     throughput), plus tokens per verifier step. --json: those and more as JSON."""
@@ -339,7 +347,7 @@ def bench(url, prompts_file, n, concurrency, max_tokens, protocol, plot, as_json
     prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()] if prompts_file else DEFAULT_PROMPTS
     rows = []
     for level in concurrency:
-        r = bench_remote(url, prompts, n=n, concurrency=level, max_tokens=max_tokens, protocol=protocol)
+        r = bench_remote(url, prompts, n=n, concurrency=level, max_tokens=max_tokens, protocol=protocol, warmup=warmup)
         rows.append(r)
         if not as_json:
             _show(r, max_tokens)
