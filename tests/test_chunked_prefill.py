@@ -118,3 +118,25 @@ def test_budget_per_step_and_interleaving(pair):
 def test_bad_budget(pair):
     with pytest.raises(UserError, match="prefill_chunk"):
         make(pair, "float", -1, False)
+
+
+def test_context_logits_gathered_over_chunks(pair):
+    """A 90-token prompt asking for every position's logits, prefilled 16 tokens a step: the logits of the whole
+    prompt (to float32 rounding) and the tokens of the unchunked prefill."""
+    from bpcompile.runtime.generator import SamplingParams as SP
+
+    prompt = torch.randint(2, 256, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = []
+    for chunk in (0, 16):
+        gen = make(pair, "float", chunk, False)
+        rid = gen.add_request(prompt, SP(max_tokens=6, context_logits=True))
+        got, logits = [], None
+        while gen.has_work():
+            for o in gen.step():
+                got += o.new_tokens
+                logits = o.context_logits if o.context_logits is not None else logits
+        outs.append((got, logits))
+        assert rid not in gen.running
+    (a, la), (b, lb) = outs
+    assert a == b and la.shape == lb.shape == (90, CFG.vocab_size)
+    assert torch.allclose(la, lb, atol=1e-4, rtol=1e-4), (la - lb).abs().max()

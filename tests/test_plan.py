@@ -232,7 +232,7 @@ def test_plan_command(tmp_path):
     out = json.loads(res.stdout)
     assert out["at_recipe_tp"]["tp"] == 8 and out["at_recipe_tp"]["fits"]
     assert out["smallest_tp_that_fits"]["tp"] < 8
-    # 40 GB cards: not at tp 8 with these limits (the prefill of 64 x 8192 tokens alone is ~43 GB): exit 2
+    # 40 GB cards: not at tp 8 with these limits (weights 20.3 GB, KV pools 16.3, the draft's dense copy 4.4): exit 2
     res = CliRunner().invoke(main, ["plan", str(recipe), "--memory-gb", "40"])
     assert res.exit_code == 2 and "does not fit" in res.stderr and "| fits |" in res.stdout
     # a model path that does not exist is named
@@ -240,3 +240,88 @@ def test_plan_command(tmp_path):
     bad.write_text(recipe.read_text().replace(str(tmp_path / "d"), str(tmp_path / "nowhere")))
     res = CliRunner().invoke(main, ["plan", str(bad)])
     assert res.exit_code == 2 and "nowhere" in res.stderr
+
+
+def runtime_held(gen) -> dict:
+    """What a loaded Generator holds (rank 0's share at tp > 1), by `runtime_bytes`'s parts: its models' tensors
+    (distinct storages, so a shared embedding counts once; oneDNN-packed ones are opaque and left out: None), its
+    KV pools and exact copies (`PagedKV.nbytes`), its dense copies grown to their full length, and the chunk copies
+    of a max_input_len prompt (`Executor.chunk_begin`)."""
+    import itertools
+
+    from bpcompile.runtime.generator import SamplingParams
+
+    def held(model):
+        seen = {}
+        for t in itertools.chain(model.buffers(), model.parameters()):
+            try:
+                st = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                return None
+            seen[st.data_ptr()] = st.nbytes()
+        return seen
+
+    models = [held(m) for m in (gen.verifier, gen.draft) if m is not None]
+    weights = [sum(x.values()) if x is not None else None for x in models]
+    if len(models) == 2 and None not in models:  # a feature draft reads the verifier's embedding
+        weights[1] -= sum(n for p, n in models[1].items() if p in models[0])
+    kvs = [k for k in (gen.vkv, gen.dkv) if k is not None]
+    dense = 0
+    for k in kvs:
+        if k.dense is not None:
+            k.dense.reserve(k.dense.length)
+            dense += k.dense.k.nbytes + k.dense.v.nbytes
+    rid = gen.add_request([2] * gen.max_input_len, SamplingParams(max_tokens=1))
+    (r,) = gen.scheduler.admit()
+    chunk = 0
+    for ex in (gen.v_exec, gen.d_exec):
+        if ex is not None:
+            ex.chunk_begin(r, 0)
+            chunk += sum(t.nbytes for t in ex.chunks[ex._chunk_keys[rid]][:2])
+            ex.chunk_end(rid)
+    gen.cancel(rid)
+    return {"weights_by_model": weights, "kv_pools": sum(k.nbytes() for k in kvs), "dense": dense, "chunk": chunk}
+
+
+def compare_with_runtime(engine: Path, tp: int = 1) -> tuple[dict, dict]:
+    """(`runtime_bytes` of the engine's recipe on CPU at tp, what the engine loaded at tp holds)."""
+    from bpcompile.compiler.hf import is_feature_draft, read_feature_draft, read_hf_config
+    from bpcompile.compiler.plan import runtime_bytes
+    from bpcompile.compiler.recipe import parse_recipe
+    from bpcompile.runtime.generator import Generator
+
+    r, _ = parse_recipe(engine / "recipe.yaml")
+    v = read_hf_config(r.models.verifier.path)
+    d = r.models.draft.path
+    d = read_feature_draft(d, v) if is_feature_draft(d) else read_hf_config(d)
+    planned = runtime_bytes(r, v, d, "cpu", tp)
+    gen = Generator.from_engine(engine, tp=tp, verify=False)
+    try:
+        return planned, runtime_held(gen)
+    finally:
+        gen.close()
+
+
+def assert_plan_matches(planned: dict, held: dict) -> None:
+    """Weights within 1% (the one-buffer layout's 4 KiB alignments), KV pools within 1% (a plan's per-slot
+    bookkeeping), dense and chunk copies exactly."""
+    for p, h in zip(planned["weights_by_model"], held["weights_by_model"]):
+        assert h is None or abs(p - h) <= 0.01 * h, (p, h)
+    assert abs(planned["kv_pools"] - held["kv_pools"]) <= 0.01 * held["kv_pools"], (planned, held)
+    assert planned["dense"] == held["dense"] and planned["chunk"] == held["chunk"], (planned, held)
+
+
+SMOLLM2_ENGINE = REPO / "engines" / "smollm2" / "1"
+
+
+@pytest.mark.skipif(
+    not (SMOLLM2_ENGINE / "engine.json").is_file(), reason="no SmolLM2 engine (bpcompile build recipes/smollm2.yaml)"
+)
+def test_plan_counts_what_the_runtime_allocates_on_smollm2():
+    """recipes/smollm2.yaml as built (the default KV plan with INT5/INT6/KLT keys, INT3 values and a recent window;
+    the feature draft): `runtime_bytes` against what the loaded engine holds (see assert_plan_matches; the
+    feature draft's linears, packed in bfloat16 where the CPU multiplies it natively, are opaque and not compared
+    there)."""
+    planned, held = compare_with_runtime(SMOLLM2_ENGINE)
+    assert_plan_matches(planned, held)
+    assert held["dense"] > 0 and held["chunk"] > 0  # CPU: dense copies; max_input_len 1536 > the 512 chunk

@@ -476,3 +476,18 @@ def test_a_failed_rank_is_an_error_with_exit_1_not_an_internal_error():
     res = CliRunner().invoke(cli, ["run"])
     assert res.exit_code == 1, res.output
     assert "rank 1 (pid 4242) is stopped" in res.output and "internal error" not in res.output
+
+
+def test_tp2_chunked_prefill_equals_unchunked(tiny_tp2):
+    """Prompts of 4-40 tokens prefilled 8 tokens a step at tp 2 (each rank keeps its heads' copy of the prompt's
+    K/V, the calls through the tensor-parallel channel): the tokens of tp 1 without chunking."""
+    prompts = _prompts(tiny_tp2, 12)
+    params = SamplingParams(max_tokens=8)
+    ref = [t for t, _ in Generator.from_engine(tiny_tp2, tp=1, prefill_chunk=0).generate(prompts, params)]
+    two = Generator.from_engine(tiny_tp2, prefill_chunk=8)
+    try:
+        assert two.tp == 2 and two.chunks is not None
+        got = [t for t, _ in two.generate(prompts, params)]
+    finally:
+        two.close()
+    assert got == ref

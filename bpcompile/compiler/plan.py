@@ -133,6 +133,90 @@ def kv_pool_bytes(recipe, verifier: dict, draft: Optional[dict]) -> int:
     return int(cache_tokens(recipe) * per_token) + exact
 
 
+def _dtype_bytes(spec, cfg: dict) -> int:
+    name = cfg.get("dtype") if spec.dtype == "auto" else spec.dtype
+    return DTYPE_BYTES.get(name or "bfloat16", 2)
+
+
+def _linear_params(cfg: dict, tp: int) -> int:
+    """Parameters in one rank's linear layers (q/k/v, o, MLP, the head; not the embedding, norms or biases): what
+    runtime.cpu_weights both holds twice."""
+    h, L, I, D = (cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "head_dim"))
+    hq, hkv = cfg["num_attention_heads"] // tp * D, kv_heads_per_rank(cfg, tp) * D
+    layer = (hq + 2 * hkv) * h + h * hq + 3 * h * (I // tp)
+    if cfg.get("architecture") == "FeatureDraft":
+        return 2 * h * h + L * layer + cfg.get("head_rows", 0) * h
+    return L * layer + -(-cfg["vocab_size"] // tp) * h
+
+
+def runtime_bytes(recipe, verifier: dict, draft: Optional[dict], device: str = "cpu", tp: int = 1) -> dict:
+    """What the native runtime allocates on one rank (device cpu or cuda) at the recipe's limits, by part, in bytes
+    (bpcompile/runtime/generator.py, executor.py, paged_kv.py; the runtime's own figures are compared with these
+    in tests/test_plan.py):
+    weights: the models as loaded (a tied head once at tp 1, where the embedding reads it; on CPU in float32 with
+      runtime.cpu_weights both, the linears twice);
+    kv_pools: the verifier's pool in the recipe's format, the draft's in its compute dtype (max_batch_size
+      sequences of max_seq_len + a tree, in pages, + the padding page), the plan's exact copies;
+    dense: the per-sequence copy of a cache that the PyTorch attention reads (every cache on CPU; on CUDA a float
+      cache, unless its steps are static: runtime.cuda_graphs) at its full length, max_batch_size + 1 rows;
+    chunk: the K/V copy, in the compute dtype, of the one prompt (max_input_len) prefilling in chunks, both models;
+    activations: an estimate of the largest forward (prompt tokens of one step: the chunk budget, else a full
+    batch of max_input_len prompts; hidden states, q/k/v, the MLP's inputs, a chunk's attention scores) plus a
+    step's logits in fp32."""
+    lim, kvc, rt = recipe.limits, recipe.kv_cache, recipe.runtime
+    speculating = draft is not None and recipe.speculative.tree != "none"
+    vb = _dtype_bytes(recipe.models.verifier, verifier)
+    db = vb if draft is not None and draft.get("architecture") == "FeatureDraft" else None
+    db = db or (_dtype_bytes(recipe.models.draft, draft) if speculating else vb)
+    models = [(verifier, vb)] + ([(draft, db)] if speculating else [])
+    cpu = device == "cpu"
+    weights = []
+    for cfg, b in models:
+        params = weight_params_per_rank(cfg, tp)
+        if tp == 1 and cfg.get("tie_word_embeddings") and cfg.get("architecture") != "FeatureDraft":
+            params -= cfg["vocab_size"] * cfg["hidden_size"]  # the embedding is the head's weight
+        if cpu and b == 4 and rt.cpu_weights == "both" and rt.executor == "torch":
+            params += _linear_params(cfg, tp)
+        weights.append(params * b)
+    kv_token = kv_bytes_per_token(verifier, recipe, tp, kvc.format)
+    draft_token = kv_bytes_per_token(draft, recipe, tp, None, db) if speculating else 0.0
+    kv = int(cache_tokens(recipe) * (kv_token + draft_token)) + lim.max_batch_size * exact_bytes_per_sequence(
+        verifier, recipe, tp
+    )
+    exact = bool(kvc.sink_tokens or kvc.recent_window)
+    static = not cpu and getattr(rt, "cuda_graphs", "off") != "off" and tp == 1 and rt.executor == "torch" and not exact
+    length = lim.max_seq_len + tree_tokens(recipe) + 1  # a DenseKV row: max_seq_len + a tree + 1
+
+    def per_token(cfg: dict, b: int) -> int:  # K and V of one token, every layer, this rank's heads
+        return 2 * cfg["num_hidden_layers"] * kv_heads_per_rank(cfg, tp) * cfg["head_dim"] * b
+
+    dense = 0
+    for i, (cfg, b) in enumerate(models):
+        quantized = i == 0 and kvc.format != "fp16"
+        if cpu or not (quantized or static):
+            dense += (lim.max_batch_size + 1) * length * per_token(cfg, b)
+    chunked = 0 < rt.prefill_chunk < lim.max_input_len
+    chunk = lim.max_input_len * sum(per_token(cfg, b) for cfg, b in models) if chunked else 0
+    h, I = verifier["hidden_size"], verifier["intermediate_size"]
+    qkv = (verifier["num_attention_heads"] // tp + 2 * kv_heads_per_rank(verifier, tp)) * verifier["head_dim"]
+    tokens = lim.max_batch_size * lim.max_input_len
+    if rt.prefill_chunk > 0:
+        tokens = min(tokens, rt.prefill_chunk)
+    activations = tokens * (4 * h + qkv + 2 * (I // tp)) * vb
+    if chunked:  # scores and probabilities of a chunk's queries over the prompt so far, fp32
+        activations += 2 * verifier["num_attention_heads"] // tp * rt.prefill_chunk * lim.max_input_len * 4
+    activations += lim.max_batch_size * tree_tokens(recipe) * -(-verifier["vocab_size"] // tp) * 4
+    return {
+        "weights": sum(weights),
+        "weights_by_model": weights,  # verifier, draft
+        "kv_pools": kv,
+        "dense": dense,
+        "chunk": chunk,
+        "activations": activations,
+        "total": sum(weights) + kv + dense + chunk + activations,
+    }
+
+
 def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Optional[int] = None) -> dict:
     """The plan at tensor-parallel size tp (default: the recipe's). recipe: a bpcompile.compiler.recipe.Recipe;
     verifier/draft: normalized HF configs (bpcompile.compiler.hf.read_hf_config)."""
@@ -151,14 +235,11 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
     draft_token = kv_bytes_per_token(draft, recipe, tp, None, db) if speculating else 0.0
     exact = exact_bytes_per_sequence(verifier, recipe, tp)
     kv = tokens * (kv_token + draft_token) + lim.max_batch_size * exact
-    # the largest forward: prefill of a full batch of max_input_len prompts (hidden states, q/k/v, the two MLP
-    # inputs of this rank) in the compute dtype, plus a step's logits in fp32
-    h, I = verifier["hidden_size"], verifier["intermediate_size"]
-    qkv = (verifier["num_attention_heads"] // tp + 2 * kv_heads_per_rank(verifier, tp)) * verifier["head_dim"]
-    prefill_tokens = lim.max_batch_size * lim.max_input_len
-    activations = prefill_tokens * (4 * h + qkv + 2 * (I // tp)) * vb
-    activations += lim.max_batch_size * tree_tokens(recipe) * -(-verifier["vocab_size"] // tp) * 4
-    total = weights + kv + activations
+    # what the runtime adds on a GPU (runtime_bytes): dense copies of float caches it reads by PyTorch, a chunked
+    # prompt's K/V copy, the largest forward's activations (the chunk budget's tokens, else a full batch's)
+    rb = runtime_bytes(recipe, verifier, draft, "cuda", tp)
+    dense, chunk, activations = rb["dense"], rb["chunk"], rb["activations"]
+    total = weights + kv + dense + chunk + activations
     usable = device.memory * USABLE
     per_seq = (
         pages_per_sequence(lim.max_seq_len, tree_tokens(recipe), recipe.kv_cache.page_size)
@@ -166,7 +247,8 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
         * (kv_token + draft_token)
         + exact
     )
-    room = usable - weights - activations
+    per_seq += dense / (lim.max_batch_size + 1)  # a dense row per sequence (and one for padding)
+    room = usable - weights - activations - chunk
     fits_seqs = max(0, int(room // per_seq)) if per_seq else 0
 
     def decode(batch: int, context: int) -> float:
@@ -184,6 +266,8 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
         "kv_bytes_per_token": kv_token,
         "draft_kv_bytes_per_token": draft_token,
         "cache_tokens": tokens,
+        "dense_kv_bytes": dense,
+        "chunk_kv_bytes": chunk,
         "activations_bytes": activations,
         "total_bytes": total,
         "fits": total <= usable,
@@ -236,12 +320,14 @@ def device_from(name: str, memory_gb: Optional[float], bandwidth_tbs: Optional[f
 def markdown(report: dict) -> str:
     def col(p):
         if p is None:
-            return ["no tp that fits"] + [""] * 8
+            return ["no tp that fits"] + [""] * 10
         return [
             f"tp = {p['tp']}",
             f"{p['weights_bytes'] / GB:.2f} GB",
             f"{p['kv_bytes'] / GB:.2f} GB "
             f"({p['cache_tokens']:,} tokens, {p['kv_bytes_per_token']:,.0f} B/token verifier)",
+            f"{p['dense_kv_bytes'] / GB:.2f} GB",
+            f"{p['chunk_kv_bytes'] / GB:.2f} GB",
             f"{p['activations_bytes'] / GB:.2f} GB (estimate)",
             f"{p['total_bytes'] / GB:.2f} GB",
             f"{p['usable_bytes'] / GB:.1f} GB",
@@ -254,6 +340,8 @@ def markdown(report: dict) -> str:
         "per GPU",
         "weights",
         "KV caches at the limits",
+        "dense KV copies (PyTorch attention)",
+        "chunked prompt's K/V copy",
         "activations",
         "total",
         "usable (90%)",

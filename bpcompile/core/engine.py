@@ -217,8 +217,7 @@ class Runtime(_Strict):
         description="prompt tokens prefilled per step at most: a longer prompt prefills in chunks interleaved with "
         "the decode / speculative steps of the running sequences, which then wait one chunk's forward for their "
         "next token instead of the whole prompt's (outputs identical to an unchunked prefill; costs one prompt's "
-        "K/V in the compute dtype while it prefills); 0 = off (every admitted prompt prefills whole at once); "
-        "tensor-parallel engines prefill whole",
+        "K/V in the compute dtype while it prefills); 0 = off (every admitted prompt prefills whole at once)",
     )
 
     cuda_graphs: Literal["auto", "on", "off"] = Field(

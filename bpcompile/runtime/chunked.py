@@ -4,15 +4,16 @@ while other sequences decode delays their next token by one chunk's forward, not
 Each `Generator.step` spends at most `budget` prompt tokens (the engine's runtime.prefill_chunk), first come first
 served: a prompt that fits what is left of the budget prefills whole, batched with the others that do (the
 ordinary prefill, prefix reuse included); a longer one takes what is left this step and continues at the next,
-interleaved with the decode / speculative steps of the running sequences. A request that asks for every prompt
-position's logits prefills whole whatever its length.
+interleaved with the decode / speculative steps of the running sequences (every prompt position's logits, where
+a request asks for them, are gathered chunk by chunk).
 
 Outputs equal unchunked ones for every KV plan: a chunk attends to the earlier chunks' K/V as they were computed
 (`Executor.prefill_chunk` keeps them unquantized until the prompt is done), as an unchunked prefill attends to
 the whole prompt's, never to their stored (quantized) form; the caches, the exact copies of a recent window and
 the draft's cache receive the same entries at the same positions, a chunk at a time. What that costs is one
-prompt's K/V per model in the compute dtype while it is prefilled (at most one prompt is part-way between steps:
-the budget goes to the oldest first); `bpcompile plan` counts it."""
+prompt's K/V per model in the compute dtype while it is prefilled (one prompt at a time: the budget goes to the
+oldest first, and a prompt's copies are made at its first chunk, after the previous one's last); `bpcompile plan`
+counts it. With tensor parallelism every rank keeps its heads' share (the calls go through runtime/tp.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class _Prompt:
     hashes: Optional[tuple] = None  # (verifier, draft) block hashes, to publish its pages when done
     feat: Optional[torch.Tensor] = None  # a feature draft's input for the next chunk's first row
     hidden: list = field(default_factory=list)  # the verifier's features of the computed chunks (publishing)
+    logits: list = field(default_factory=list)  # every position's logits, for a request that asks for them
 
 
 class ChunkedPrefill:
@@ -62,7 +64,7 @@ class ChunkedPrefill:
         while self.queue and budget > 0:
             r = self.queue[0]
             if r.id not in self.state:
-                if len(r.prompt) <= budget or r.params.context_logits:
+                if len(r.prompt) <= budget:
                     whole.append(self.queue.popleft())
                     budget -= len(r.prompt)
                     continue
@@ -87,12 +89,10 @@ class ChunkedPrefill:
             pv = g.vkv.match(hv)
             pd = g.dkv.match(hd) if g.dkv is not None else pv
             n = min(len(pv), len(pd), g._reuse_limit(r))
-            g.vkv.adopt(r.id, pv[:n])
-            if g.dkv is not None:
-                g.dkv.adopt(r.id, pd[:n])
+            g.v_exec.adopt(r.id, pv[:n])
+            if g.d_exec is not None:
+                g.d_exec.adopt(r.id, pd[:n])
             start, hashes = n * g.page_size, (hv, hd)
-        for ex in self._executors():
-            ex.chunk_begin(r, start)
         if g.spec.features and g.d_exec is not None:  # the row after a reused prefix reads the feature its last
             h = g.verifier.cfg.hidden_size  # page kept; the first row of a prompt reads zeros
             feat = g.vkv.aux[g.vkv.tables[r.id][start // g.page_size - 1]] if start else torch.zeros(h, device=g.device)
@@ -102,8 +102,15 @@ class ChunkedPrefill:
         """Prompt tokens [done, done + n) of r through both models; the last chunk picks the first token."""
         g, st = self.gen, self.state[r.id]
         m, last = st.done, st.done + n == len(r.prompt)
+        if m == st.start:  # its K/V copies, made at its first chunk: the previous prompt's are gone by then
+            for ex in self._executors():
+                ex.chunk_begin(r, m)
         t0 = time.perf_counter()
-        logits = g.v_exec.prefill_chunk(r, m, n, last)
+        if r.params.context_logits:
+            st.logits.append(g.v_exec.prefill_chunk(r, m, n, False, all_logits=True).float().cpu())
+            logits = st.logits[-1][-1].to(g.device) if last else None
+        else:
+            logits = g.v_exec.prefill_chunk(r, m, n, last)
         t1 = time.perf_counter()
         if g.d_exec is not None:
             feats = None
@@ -125,6 +132,8 @@ class ChunkedPrefill:
         del self.state[r.id]
         for ex in self._executors():
             ex.chunk_end(r.id)
+        if st.logits:
+            r.context_logits = torch.cat(st.logits)
         if penalized(r.params):
             logits = apply_penalties(logits, r.params, r.prompt, 0)
         t = g._pick(r, logits)

@@ -36,8 +36,10 @@ class Executor:
         self.reuse = False
         self.raw: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.raw_ids: list[str] = []
-        self.chunks: dict[str, tuple] = {}  # a prompt prefilling in chunks: its K/V as computed (`chunk_begin`)
-        self.chunk_starts: dict[str, int] = {}  # and the reused prefix it started after
+        self.chunks: dict[int, tuple] = {}  # a prompt prefilling in chunks: its K/V as computed (`chunk_begin`)
+        self._chunk_keys: dict[str, int] = {}  # (rank 0) request id -> its chunk copy's number
+        self._next_chunk_key = 0
+        self.chunk_starts: dict[int, int] = {}  # chunk copy -> the reused prefix it starts after
         # a few queries a sequence on CPU (decode steps, tree verifies) over a float32 dense view: bpcompile's kernel
         # puts the new entries into the float cache (a float store) or the exact copies (a plan with a recent
         # window: decode steps of one sequence only) and attends, one call per sequence and layer
@@ -257,40 +259,53 @@ class Executor:
         """Before r's prompt prefills in chunks (runtime/chunked.py) from entry `start` (a reused prefix before it):
         its pages, and a copy of its K/V [layers, KV, prompt, D] in the compute dtype that the chunks attend to, as
         computed (an unchunked prefill attends to the prompt's K/V before the store quantizes them); the reused
-        prefix enters it as computed too (`PagedKV.raw_pages`, as `prefill_cached` reads it), or as stored where
-        the store keeps exactly what was computed."""
-        kv, n = self.kv, len(r.prompt)
-        kv.ensure(r.id, n + self.lookahead)
-        s = kv.store
+        prefix enters it in its stored form (as `prefill_cached` reads it). Every rank keeps its heads' copy, under
+        a number rank 0 gives it."""
+        self.kv.ensure(r.id, len(r.prompt) + self.lookahead)
+        self._chunk_keys[r.id] = key = self._next_chunk_key
+        self._next_chunk_key += 1
+        slots = torch.tensor([self.kv.slot(r.id, i) for i in range(start)], dtype=torch.long, device=self.device)
+        self._call("run_chunk_begin", key, len(r.prompt), slots)
+
+    def run_chunk_begin(self, key: int, n: int, slots: torch.Tensor) -> None:
+        s, m = self.kv.store, slots.numel()
         shape = (s.num_layers, s.num_kv_heads, n, s.head_size)
         k, v = (torch.empty(shape, dtype=self.model.dtype, device=self.device) for _ in range(2))
-        if start and kv.shadow:
-            pk, pv = kv.raw_prefix(kv.tables[r.id][: start // kv.ps])
-            k[:, :, :start], v[:, :, :start] = pk, pv
-        elif start:
-            slots = torch.tensor([kv.slot(r.id, i) for i in range(start)], device=self.device)
-            for layer in range(s.num_layers):
-                sk, sv = s.read(layer, slots)
-                k[layer, :, :start], v[layer, :, :start] = sk.transpose(0, 1), sv.transpose(0, 1)
-        self.chunks[r.id] = (k, v)
-        self.chunk_starts[r.id] = start
+        if m and self.kv.shadow:  # the reused prefix as computed (`PagedKV.raw_pages`), as prefill_cached reads it
+            k[:, :, :m], v[:, :, :m] = self.kv.raw_prefix((slots[:: self.kv.ps] // self.kv.ps).tolist())
+            m = 0
+        for layer in range(s.num_layers if m else 0):
+            sk, sv = s.read(layer, slots)
+            k[layer, :, :m], v[layer, :, :m] = sk.transpose(0, 1), sv.transpose(0, 1)
+        self.chunks[key] = (k, v)
+        self.chunk_starts[key] = slots.numel()
 
     def chunk_end(self, rid: str) -> None:
-        """r's chunks are done (or it is dropped): its copy goes, or, with prefix reuse where the store keeps
-        another form, becomes what `publish` keeps of its pages (the K/V of the prompt past its reused prefix,
-        laid out as a prefill's `raw`)."""
-        kv_copy, start = self.chunks.pop(rid, None), self.chunk_starts.pop(rid, 0)
+        key = self._chunk_keys.pop(rid, None)
+        if key is not None:
+            self.raw_ids = [rid]
+            self._call("run_chunk_end", key)
+
+    def run_chunk_end(self, key: int) -> None:
+        """With prefix reuse where the store keeps another form, the copy becomes what `publish` keeps of the
+        prompt's pages (its K/V past the reused prefix, laid out as a prefill's `raw`)."""
+        kv_copy, start = self.chunks.pop(key, None), self.chunk_starts.pop(key, 0)
         if kv_copy is not None and self.reuse and self.kv.shadow:
             self.raw = tuple(x[:, None, :, start:].transpose(2, 3) for x in kv_copy)
-            self.raw_ids = [rid]
 
     def prefill_chunk(
-        self, r: Request, start: int, n: int, last_logits: bool, feats: Optional[torch.Tensor] = None
+        self,
+        r: Request,
+        start: int,
+        n: int,
+        last_logits: bool,
+        feats: Optional[torch.Tensor] = None,
+        all_logits: bool = False,
     ) -> Optional[torch.Tensor]:
         """Prompt tokens [start, start + n) of r (after `chunk_begin`): K/V into the cache (and its dense view and
         exact copies, as `prefill` writes them) and into r's chunk copy; causal attention over the copy's [0, start)
-        and the chunk. -> the logits of the chunk's last token [V] when last_logits. feats [1, n, hidden]: a
-        FeatureDraft's input features."""
+        and the chunk. -> the logits of the chunk's last token [V] when last_logits, of its every token [n, V]
+        when all_logits. feats [1, n, hidden]: a FeatureDraft's input features."""
         dev, kv = self.device, self.kv
         tok = torch.tensor([r.prompt[start : start + n]], device=dev)
         pos = torch.arange(start, start + n, device=dev)
@@ -298,20 +313,43 @@ class Executor:
         at = None
         if kv.dense is not None or kv.recent is not None:
             at = (torch.full((n,), kv.rows[r.id], device=dev), pos)
-        ck, cv = self.chunks[r.id]
-        rep = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
-        hidden = torch.ones(n, start + n, dtype=torch.bool, device=dev).triu(start + 1)
-        hidden = hidden.repeat_interleave(rep, 0)[None, None]
+        logits = self._call(
+            "run_prefill_chunk",
+            self._chunk_keys[r.id],
+            start,
+            tok,
+            flat,
+            at,
+            all_logits,
+            self._dense_width(),
+            *(() if feats is None else (feats,)),
+        )
+        if all_logits:
+            return logits[0]
+        return logits[0, -1] if last_logits else None
+
+    def run_prefill_chunk(
+        self, key: int, start: int, tok, flat, at, all_logits: bool, dense_width: int, feats=None
+    ) -> torch.Tensor:
+        kv, n = self.kv, tok.shape[1]
+        if kv.dense is not None:  # (rank 0's grows as its pages do; the others' to rank 0's width)
+            kv.dense.reserve(dense_width)
+        pos = torch.arange(start, start + n, device=tok.device)
+        ck, cv = self.chunks[key]
+        causal = torch.ones(n, start + n, dtype=torch.bool, device=tok.device).triu(start + 1)
+        hidden = {}  # per query heads per KV head: rows t * rep + r (dense_attention's layout)
 
         def attend(layer, q, k, v):
+            rep = q.shape[2] // k.shape[2]
+            if rep not in hidden:
+                hidden[rep] = causal.repeat_interleave(rep, 0)[None, None]
             kv.write(layer, flat, k[0], v[0], at, pos)
             ck[layer, :, start : start + n] = k[0].transpose(0, 1)
             cv[layer, :, start : start + n] = v[0].transpose(0, 1)
-            return dense_attention(q, ck[layer, None, :, : start + n], cv[layer, None, :, : start + n], hidden)
+            return dense_attention(q, ck[layer, None, :, : start + n], cv[layer, None, :, : start + n], hidden[rep])
 
         with kv.batched_writes(own_exact=True):
-            logits = self._model(tok, pos[None], attend, feats, last_only=True)
-        return logits[0, -1] if last_logits else None
+            return self._model(tok, pos[None], attend, feats, last_only=not all_logits)
 
     def _model(self, tok, pos, attend, feats, last_only: bool = False, rows=None) -> torch.Tensor:
         """The model's logits; its final hidden states go to self.hidden where it reads or feeds features."""

@@ -230,6 +230,7 @@ class Generator:
         verify: Optional[bool] = None,
         cuda_graphs: Optional[str] = None,
         prefix_reuse: Optional[bool] = None,
+        prefill_chunk: Optional[int] = None,
         _rank: int = 0,
         _group=None,
     ) -> "Generator":
@@ -252,6 +253,7 @@ class Generator:
         engine's runtime.cuda_graphs.
         prefix_reuse: overrides the engine's runtime.prefix_reuse (None: $BPCOMPILE_PREFIX_REUSE, `--prefix-reuse`,
         else the engine's).
+        prefill_chunk: prompt tokens prefilled per step (0: off), overriding the engine's runtime.prefill_chunk.
         _rank/_group: a worker rank's own load (runtime/tp.py)."""
         d = Path(engine_dir)
         if verify_enabled(verify) and _rank == 0 and (d / MANIFEST).is_file():  # before rank 0 starts the others
@@ -362,8 +364,7 @@ class Generator:
                 prefix_reuse=_prefix_reuse(prefix_reuse, cfg.runtime.prefix_reuse),
                 salt=_engine_salt(d),
                 cuda_graphs=cuda_graphs,
-                # a chunk's K/V copy is rank 0's alone (the tensor-parallel channel does not carry it)
-                prefill_chunk=cfg.runtime.prefill_chunk if tp == 1 else 0,
+                prefill_chunk=cfg.runtime.prefill_chunk if prefill_chunk is None else prefill_chunk,
             )
             if peers is not None:
                 peers.wait_ready()

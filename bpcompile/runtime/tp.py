@@ -157,7 +157,17 @@ def handshake(pg, secret: bytes, rank: int, tp: int, device: str) -> None:
 # WORD an index into _WORDS, for ATTN the AttnBatch fields as items.
 
 MAGIC = 0x62705F74705F3031  # "bp_tp_01"
-_CALLS = ("run_prefill", "run_forward", "run_move", "run_prefill_cached", "run_adopt", "run_publish")
+_CALLS = (
+    "run_prefill",
+    "run_forward",
+    "run_move",
+    "run_prefill_cached",
+    "run_adopt",
+    "run_publish",
+    "run_chunk_begin",
+    "run_prefill_chunk",
+    "run_chunk_end",
+)
 _ROLES = ("verifier", "draft")
 _WORDS = ("dense", "paged")
 _DTYPES = (
