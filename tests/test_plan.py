@@ -246,7 +246,7 @@ def runtime_held(gen) -> dict:
     """What a loaded Generator holds (rank 0's share at tp > 1), by `runtime_bytes`'s parts: its models' tensors
     (distinct storages, so a shared embedding counts once; oneDNN-packed ones are opaque and left out: None), its
     KV pools and exact copies (`PagedKV.nbytes`), its dense copies grown to their full length, and the chunk copies
-    of a max_input_len prompt (`Executor.chunk_begin`)."""
+    of a max_input_len prompt (`Executor.chunk_begin`) where one prefills in chunks (longer than the budget)."""
     import itertools
 
     from bpcompile.runtime.generator import SamplingParams
@@ -271,10 +271,10 @@ def runtime_held(gen) -> dict:
         if k.dense is not None:
             k.dense.reserve(k.dense.length)
             dense += k.dense.k.nbytes + k.dense.v.nbytes
+    chunk, chunked = 0, gen.chunks is not None and gen.max_input_len > gen.chunks.budget
     rid = gen.add_request([2] * gen.max_input_len, SamplingParams(max_tokens=1))
     (r,) = gen.scheduler.admit()
-    chunk = 0
-    for ex in (gen.v_exec, gen.d_exec):
+    for ex in (gen.v_exec, gen.d_exec) if chunked else ():
         if ex is not None:
             ex.chunk_begin(r, 0)
             chunk += sum(t.nbytes for t in ex.chunks[ex._chunk_keys[rid]][:2])
@@ -302,12 +302,13 @@ def compare_with_runtime(engine: Path, tp: int = 1) -> tuple[dict, dict]:
         gen.close()
 
 
-def assert_plan_matches(planned: dict, held: dict) -> None:
-    """Weights within 1% (the one-buffer layout's 4 KiB alignments), KV pools within 1% (a plan's per-slot
-    bookkeeping), dense and chunk copies exactly."""
+def assert_plan_matches(planned: dict, held: dict, pools: float = 0.01) -> None:
+    """Weights within 1% (the one-buffer layout's 4 KiB alignments), KV pools within `pools` (a plan's per-slot
+    bookkeeping; at tp > 1 also how its outlier units fall on rank 0, against the plan's per-rank average), dense
+    and chunk copies exactly."""
     for p, h in zip(planned["weights_by_model"], held["weights_by_model"]):
         assert h is None or abs(p - h) <= 0.01 * h, (p, h)
-    assert abs(planned["kv_pools"] - held["kv_pools"]) <= 0.01 * held["kv_pools"], (planned, held)
+    assert abs(planned["kv_pools"] - held["kv_pools"]) <= pools * held["kv_pools"], (planned, held)
     assert planned["dense"] == held["dense"] and planned["chunk"] == held["chunk"], (planned, held)
 
 

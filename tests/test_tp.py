@@ -491,3 +491,15 @@ def test_tp2_chunked_prefill_equals_unchunked(tiny_tp2):
     finally:
         two.close()
     assert got == ref
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_counts_what_the_runtime_allocates_on_the_tiny_pair(tiny_tp2, tp):
+    """recipes/tiny.yaml as built (INT4 + FP8 units, dynamic tree): `bpcompile plan`'s runtime_bytes against what
+    the engine holds merged at tp 1 and on rank 0 at tp 2 (tests/test_plan.py assert_plan_matches; rank 0's pools
+    within 3% of the plan's per-rank average: its share of the FP8 units)."""
+    from test_plan import assert_plan_matches, compare_with_runtime
+
+    planned, held = compare_with_runtime(tiny_tp2, tp)
+    assert_plan_matches(planned, held, pools=0.01 if tp == 1 else 0.03)
+    assert held["dense"] > 0 and held["chunk"] == 0  # max_input_len 384 never exceeds the 512-token chunk
