@@ -187,7 +187,9 @@ def test_decoupled_is_a_deployment_choice(tmp_path):
     assert not any(cfgs[m].model_transaction_policy.decoupled for m in MODELS)
     check_wiring(cfgs)
     assert json.loads((tmp_path / "unary" / emit.SUMMARY).read_text())["decoupled"] is False
-    e2 = engine_dir(tmp_path / "e2", 1, triton={"version_policy": "latest", "generator_instances": 1, "decoupled": False})
+    e2 = engine_dir(
+        tmp_path / "e2", 1, triton={"version_policy": "latest", "generator_instances": 1, "decoupled": False}
+    )
     emit_repository([(1, e2)], tmp_path / "recipe")
     assert not configs(tmp_path / "recipe")["tensorrt_llm"].model_transaction_policy.decoupled
     emit_repository([(1, e2)], tmp_path / "flag", decoupled=True)
