@@ -851,7 +851,7 @@ def test_tensorrt_llm_metrics_match_a_known_run(server, tokenizer):
 
     def one(i):
         try:
-            results.append(generate_remote(server.grpc_url, PROMPTS[i % 16], 200, end_id=-1))
+            results.append(generate_remote(server.grpc_url, PROMPTS[i % 16], 80, end_id=-1))
         except Exception as e:  # reported below
             errors.append(repr(e))
 
