@@ -503,3 +503,37 @@ def test_plan_counts_what_the_runtime_allocates_on_the_tiny_pair(tiny_tp2, tp):
     planned, held = compare_with_runtime(tiny_tp2, tp)
     assert_plan_matches(planned, held, pools=0.01 if tp == 1 else 0.03)
     assert held["dense"] > 0 and held["chunk"] == 0  # max_input_len 384 never exceeds the 512-token chunk
+
+
+def test_tp2_prefix_reuse_equals_tp1_without_it(tiny_tp2):
+    """8 conversations x 3 turns sharing a 40-token system prompt at tp 2 with prefix reuse (rank 0 picks the pages,
+    every rank fills its heads' dense view and exact copies from its own copies of them, over the tensor channel;
+    the engine's quantized plan sliced per rank): the tokens of tp 1 without reuse, and prompts did reuse."""
+    text = _prompts(tiny_tp2, 30)
+    system = [t for p in text[:6] for t in p][:40]
+    users = [[text[6 + 3 * c + t][:6] for t in range(3)] for c in range(8)]
+    params = SamplingParams(max_tokens=6)
+
+    def chat(gen):
+        hist, out, reused = [list(system) for _ in users], [], []
+        for t in range(3):
+            prompts = [h + u[t] for h, u in zip(hist, users)]
+            res = gen.generate(prompts, params)
+            out.append([toks for toks, _ in res])
+            reused += [s.reused_tokens for _, s in res]
+            hist = [p + toks for p, (toks, _) in zip(prompts, res)]
+        return out, reused
+
+    # back-off off: it drafts by measured step times, so tree shapes (and float rounding) could vary between runs
+    one = Generator.from_engine(tiny_tp2, tp=1, prefix_reuse=False)
+    one.spec.backoff = None
+    ref, none = chat(one)
+    two = Generator.from_engine(tiny_tp2, prefix_reuse=True)
+    two.spec.backoff = None
+    try:
+        assert two.tp == 2 and two.prefix_reuse
+        got, reused = chat(two)
+    finally:
+        two.close()
+    assert got == ref
+    assert not any(none) and sum(n > 0 for n in reused) >= 20
