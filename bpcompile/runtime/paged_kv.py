@@ -206,7 +206,7 @@ class PagedKV:
         # compute dtype), where the store keeps another form (a quantized plan, an FP16 cache of a float32
         # model): the rest of a prompt that reuses the page attends to these, as a full prefill attends to the
         # whole prompt's unquantized K/V, so its outputs equal reuse off; a plan's exact copies of the page's
-        # entries (sink, recent window) come from them too. Host-side copies, not bytes of record.
+        # entries (sink, recent window) come from them too. Copies on the model's device, not bytes of record.
         self.raw_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.shadow = not (self.dense is not None and self.dense.plain and self.dense.dtype == store.dtype)
         self.lru: OrderedDict[int, None] = OrderedDict()  # published pages with no reference, oldest first
