@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -257,12 +258,26 @@ def test_explicit_model_control_needs_the_token_and_a_dead_server_exits_nonzero(
 
     token = secrets.token_urlsafe(24)
     evil_ran = tmp_path / "evil-ran"
+    from bpcompile.serving.serve import free_port
+
+    oai = free_port()
     s = Serve(
-        repo, tmp_path, "--model-control", "explicit", "--log-format", "json", env={"BPCOMPILE_REPOSITORY_TOKEN": token}
+        repo,
+        tmp_path,
+        *("--model-control", "explicit", "--log-format", "json", "--openai-port", str(oai)),
+        env={"BPCOMPILE_REPOSITORY_TOKEN": token},
     )
     assert token not in s.stderr()  # given in the environment: not echoed
-    # --log-format json: every stderr line is one JSON object, tritonserver's (with its pid and source) and ours
+    with socket.create_connection(("127.0.0.1", oai), timeout=30) as c:  # not HTTP: the OpenAI server logs it
+        c.sendall(b"\x16\x03\x01 not http\r\n\r\n")
+        assert c.recv(100).startswith(b"HTTP/1.1 400")
+    deadline = time.monotonic() + 10
+    while "Invalid HTTP request" not in s.stderr() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # --log-format json: every stderr line is one JSON object, tritonserver's (with its pid and source), ours and
+    # the OpenAI server's (uvicorn's loggers)
     records = [json.loads(line) for line in s.stderr().splitlines()]
+    assert any(r["logger"].startswith("uvicorn") and r["level"] == "WARNING" for r in records), records[-5:]
     assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
     triton = [r for r in records if r["logger"] == "tritonserver"]
     loaded = [r for r in triton if r["message"].startswith("generator: engine version 1")]  # the model's own line

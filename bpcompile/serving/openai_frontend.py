@@ -351,6 +351,7 @@ class OpenAIFrontend:
             loop="asyncio",
             lifespan="off",
             log_level="warning",
+            log_config=None,  # uvicorn's loggers propagate to the root handler: serve's --log-format applies
             access_log=False,
             backlog=BACKLOG,
             timeout_keep_alive=KEEP_ALIVE,
