@@ -604,3 +604,17 @@ def test_models_dir_has_the_three_python_models():
         "postprocessing.py",
         "preprocessing.py",
     ]
+
+
+def test_openai_port_refuses_a_non_decoupled_repository(tmp_path):
+    """The OpenAI endpoint streams from the generator: serve refuses it on a repository emitted with decoupled
+    false, naming the setting, before it starts tritonserver (the health port stays free)."""
+    from bpcompile.serving.serve import free_port, serve
+
+    e = engine_dir(tmp_path / "e", 1)
+    emit_repository([(1, e)], tmp_path / "unary", decoupled=False)
+    lines = []
+    with pytest.raises(UserError, match=r"config.pbtxt: model_transaction_policy.decoupled is false") as err:
+        serve(tmp_path / "unary", openai_port=free_port(), log=lines.append)
+    assert err.value.exit_code == 2 and err.value.key == "triton.decoupled" and "--openai-port" in str(err.value)
+    assert not any("starting tritonserver" in line for line in lines), lines

@@ -608,6 +608,30 @@ def check_ports(**ports) -> None:
         seen[port] = opt
 
 
+def check_openai_repository(repo_dir) -> None:
+    """The OpenAI endpoint streams every choice from the generator (a client's disconnect reaches its loop only
+    through a response stream), which a repository emitted with triton.decoupled false cannot do: refused before
+    anything starts, naming the setting."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from bpcompile.serving.emit import GENERATOR
+
+    path = Path(repo_dir) / GENERATOR / "config.pbtxt"
+    try:
+        cfg = text_format.Parse(path.read_text(), mc.ModelConfig())
+    except (OSError, text_format.ParseError):
+        return  # no such model or an unreadable config: tritonserver's own error says which
+    if not cfg.model_transaction_policy.decoupled:
+        raise UserError(
+            "model_transaction_policy.decoupled is false (emitted with triton.decoupled false / emit "
+            "--no-decoupled), and --openai-port streams from this model: re-emit the repository with --decoupled, "
+            "or serve it without --openai-port",
+            file=str(path),
+            key="triton.decoupled",
+        )
+
+
 def _bind(opt: str, port: int, make):
     try:
         return make()
@@ -654,6 +678,8 @@ def serve(
         openai_port=openai_port,
         health_port=health_port,
     )
+    if openai_port is not None:
+        check_openai_repository(repo_dir)
     # A build killed mid-switch leaves some models on the new version and some on the old one until the next
     # emission replays its journal: replay it here too, so a server never loads a half-switched repository.
     if (Path(repo_dir) / emit.MARKER).is_file():
