@@ -59,6 +59,34 @@ def first_token_s(gen, prompt: list[int], max_tokens: int) -> tuple[tuple[float,
     return ttft, toks, stats
 
 
+def shared(gen, system: list[int], users: list[list[int]], max_tokens: int) -> None:
+    """Conversations sharing the system prompt, submitted together: the pages each one's table holds for the system
+    prompt (its full pages), recorded while it runs; the system prompt is held once if they are the same pages."""
+    from bpcompile.runtime.generator import SamplingParams
+
+    n = len(system) // gen.page_size
+    ids = [gen.add_request(system + u, SamplingParams(max_tokens=max_tokens)) for u in users]
+    seen, reused = {}, {}
+    while gen.has_work():
+        for o in gen.step():
+            if o.finished:
+                reused[o.request_id] = o.stats.reused_tokens
+        for rid in gen.running:
+            if len(gen.vkv.tables.get(rid, [])) >= n:
+                seen.setdefault(rid, tuple(gen.vkv.tables[rid][:n]))
+    out = dict(
+        conversations=len(ids),
+        max_batch_size=gen.max_batch_size,
+        system_tokens=len(system),
+        system_pages=n,
+        tables_seen=len(seen),
+        distinct_pages_holding_the_system_prompt=len({p for t in seen.values() for p in t}),
+        computed_in_full=sum(reused[i] == 0 for i in ids),
+        reused_tokens=sorted(reused[i] for i in ids),
+    )
+    print(json.dumps(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default=str(REPO / "engines" / "smollm2" / "1"), help="engine version directory")
@@ -68,6 +96,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24, help="tokens each answer generates")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--shared",
+        type=int,
+        default=0,
+        help="instead: N conversations' first turns submitted at once (the engine's batch at a time); count the "
+        "distinct pages that hold the system prompt across them",
+    )
     a = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -91,7 +126,7 @@ def main() -> None:
     end = enc("<|im_end|>\n")
 
     def user(c: int, t: int) -> list[int]:
-        text = " ".join(pieces[10 + 7 * c + t].split()[:30])
+        text = " ".join(pieces[(10 + 7 * c + t) % len(pieces)].split()[:30])
         return enc(f"<|im_start|>user\nExplain this briefly: {text}<|im_end|>\n<|im_start|>assistant\n")
 
     gen = Generator.from_engine(eng)
@@ -101,6 +136,9 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
         flush=True,
     )
+    if a.shared:
+        shared(gen, system, [user(c, 0) for c in range(a.shared)], a.max_tokens)
+        return
     rows = []  # (conversation, turn, mode, ttft, reused tokens, prompt tokens, agree)
     for c in range(a.conversations):
         hist = list(system)

@@ -277,3 +277,14 @@ def test_the_switch_precedence(monkeypatch):
     monkeypatch.setenv("BPCOMPILE_PREFIX_REUSE", "yes")
     with pytest.raises(UserError, match="BPCOMPILE_PREFIX_REUSE"):
         _prefix_reuse(None, "auto")
+
+
+def test_chunked_prompts_sharing_a_prefix_compute_it_once(pair):
+    """Prompts longer than the prefill budget (chunked prefill) sharing a 40-token system prompt, submitted together:
+    the first computes it, the others wait for its pages instead of computing them again; answers == reuse off."""
+    system, users = conversations(4, 40, seed=6)
+    prompts = [system + u[0] for u in users]
+    off = [t for t, _ in make(pair, None, prefix_reuse=False).generate(prompts, SamplingParams(max_tokens=4))]
+    res = make(pair, None, prefill_chunk=8).generate(prompts, SamplingParams(max_tokens=4))
+    assert [t for t, _ in res] == off
+    assert [s.reused_tokens for _, s in res] == [0, 40, 40, 40]

@@ -68,6 +68,8 @@ class ChunkedPrefill:
                     whole.append(self.queue.popleft())
                     budget -= len(r.prompt)
                     continue
+                if self._waits(r):  # (first come first served: the ones behind it wait too)
+                    break
                 self._start(r)
             st = self.state[r.id]
             n = min(len(r.prompt) - st.done, budget)
@@ -79,6 +81,18 @@ class ChunkedPrefill:
         for r, n in chunks:
             outs += self._chunk(r, n)
         return outs
+
+    def _waits(self, r: Request) -> bool:
+        """With prefix reuse: r's next page that is not cached yet is one that a prompt part-way computes (prompts
+        sharing a long system prompt, admitted together): r starts once that prompt is done and its pages cached,
+        instead of computing them again."""
+        g = self.gen
+        if not g.prefix_reuse or not self.state:
+            return False
+        hv = g.vkv.block_hashes(r.prompt, g._salts["verifier"])
+        limit = g._reuse_limit(r)
+        n = min(len(g.vkv.match(hv)), limit)
+        return n < limit and any(st.hashes is not None and hv[n] in st.hashes[0] for st in self.state.values())
 
     def _start(self, r: Request) -> None:
         """A prompt's first chunk: take its cached prefix (prefix reuse), make room for its K/V copies."""
