@@ -227,8 +227,10 @@ def test_tensorrtllm_backend_client_requests(server, reference, tokenizer):
 def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
     """A request shaped as tensorrtllm_backend's inflight_batcher_llm_client.py shapes it: to the model named
     tensorrt_llm, its prepare_inputs' ten default inputs as [1, N] / [1, 1] arrays (temperature 1.0 and top-k 1 as
-    its flags default, end_id -1 = none, pad_id 50256), all outputs. Returns its callback's view: per response
-    output_ids[0][0] and sequence_length[0][0]."""
+    its flags default, end_id -1 = none, pad_id 50256) and exclude_input_in_output true (its
+    --exclude-input-in-output; exclude_input_in_output=None sends none), all outputs. Returns its callback's view:
+    per response output_ids[0][0] and sequence_length[0][0]."""
+    extra.setdefault("exclude_input_in_output", np.array([[True]]))
     inputs = {
         "input_ids": np.array([ids], np.int32),
         "input_lengths": np.array([[len(ids)]], np.int32),
@@ -240,7 +242,7 @@ def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
         "pad_id": np.array([[50256]], np.int32),
         "runtime_top_k": np.array([[1]], np.int32),
         "runtime_top_p": np.array([[0.0]], np.float32),
-        **extra,
+        **{k: v for k, v in extra.items() if v is not None},
     }
     responses = stream_request(url, "tensorrt_llm", inputs, request_id="1")
     if raw:
@@ -260,7 +262,8 @@ def inflight_client_request(url, ids, n, *, stream, raw=False, **extra):
 
 def test_inflight_batcher_llm_client_requests(server, tokenizer):
     """tensorrtllm_backend's own low-level client talks token ids to `tensorrt_llm`: non-streamed, one response
-    with the prompt then the generated tokens (exclude_input_in_output false) or the generated ones only;
+    with the prompt then the generated tokens (exclude_input_in_output false, or not sent: the backend's default)
+    or the generated ones only;
     streamed, the generated tokens over several responses. top-k 1 = the runtime's greedy output. Log probs on
     request (return_log_probs)."""
     from bpcompile.runtime.generator import Generator, SamplingParams
@@ -271,10 +274,9 @@ def test_inflight_batcher_llm_client_requests(server, tokenizer):
     for ids, w in zip(prompts, want_tokens):
         ((got, n),) = inflight_client_request(server.grpc_url, ids, 16, stream=False)
         assert got == w and n == 16
-        ((got, n),) = inflight_client_request(
-            server.grpc_url, ids, 16, stream=False, exclude_input_in_output=np.array([[False]])
-        )
-        assert got == ids + w and n == len(ids) + 16
+        for flag in (np.array([[False]]), None):
+            ((got, n),) = inflight_client_request(server.grpc_url, ids, 16, stream=False, exclude_input_in_output=flag)
+            assert got == ids + w and n == len(ids) + 16
         parts = inflight_client_request(server.grpc_url, ids, 16, stream=True)
         assert len(parts) > 1 and [t for p, _ in parts for t in p] == w and all(len(p) == k for p, k in parts)
     w0 = want_tokens[0]
@@ -440,7 +442,7 @@ def test_stop_requests_and_sampling_defaults(server, tokenizer):
         **hot,
     }
     (r,) = stream_request(server.grpc_url, "tensorrt_llm", bare)
-    assert list(r.as_numpy("output_ids")[0][0]) == greedy
+    assert list(r.as_numpy("output_ids")[0][0]) == ids + greedy  # exclude_input_in_output not sent: prompt first
     for k, p in ((0, 0.0), (1, 0.0)):
         extra = dict(hot, runtime_top_k=np.array([[k]], np.int32), runtime_top_p=np.array([[p]], np.float32))
         (r,) = inflight_client_request(server.grpc_url, ids, 16, stream=False, raw=True, **extra)
@@ -466,8 +468,10 @@ def unary_server(engines, tmp_path_factory):
 def test_unary_infer_against_a_non_decoupled_repository(unary_server, reference, tokenizer):
     """gRPC ModelInfer and HTTP /infer (tritonclient's infer: what inflight_batcher_llm_client.py does without
     --streaming, and perf_analyzer without --streaming) get one response with the whole result, from the ensemble
-    (end_to_end_grpc_client.py's inputs: temperature 1.0, so greedy) and from tensorrt_llm (token ids); streaming
-    and several sequences in one request are refused by name."""
+    (end_to_end_grpc_client.py's inputs: temperature 1.0, so greedy) and from tensorrt_llm (token ids); a request's
+    batch rows and num_return_sequences come in that one response (as TensorRT-LLM answers beams: output_ids
+    [rows, n, tokens] padded with -1, the texts row-major); streaming, and more sequences than max_batch_size, are
+    refused by name."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
@@ -477,7 +481,6 @@ def test_unary_infer_against_a_non_decoupled_repository(unary_server, reference,
         "text_input": np.array([[p]], dtype=object),
         "max_tokens": np.array([[MAX_TOKENS]], np.int32),
         "temperature": np.array([[1.0]], np.float32),
-        "exclude_input_in_output": np.array([[True]]),
     }
     ids = tokenizer.encode(p).ids
     gen = {
@@ -499,15 +502,51 @@ def test_unary_infer_against_a_non_decoupled_repository(unary_server, reference,
                 ts.append(t)
             return c.infer(model, ts)
 
+        # exclude_input_in_output not sent: the ensemble answers the generated text only, tensorrt_llm the prompt
+        # then the generated tokens (the backend's default, which inflight_batcher_llm_client.py expects)
         assert infer("ensemble", ens).as_numpy("text_output")[0].decode() == tokenizer.decode(reference[p])
         r = infer("tensorrt_llm", gen)
-        assert list(r.as_numpy("output_ids")[0][0]) == reference[p] and r.as_numpy("sequence_length")[0][0] == len(
-            reference[p]
+        assert list(r.as_numpy("output_ids")[0][0]) == ids + reference[p]
+        assert r.as_numpy("sequence_length")[0][0] == len(ids) + len(reference[p])
+        full = tokenizer.decode(ids + reference[p])
+        assert (
+            infer("ensemble", dict(ens, exclude_input_in_output=np.array([[False]])))
+            .as_numpy("text_output")[0]
+            .decode()
+            == full
         )
         with pytest.raises(InferenceServerException, match="streaming needs a decoupled repository"):
             infer("ensemble", dict(ens, stream=np.array([[True]])))
-        with pytest.raises(InferenceServerException, match="asks for 2 sequences"):
-            infer("ensemble", dict(ens, num_return_sequences=np.array([[2]], np.int32)))
+        # several sequences: -n 2 (greedy, so both are the reference), --batch-inputs, and both at once
+        r = infer("ensemble", dict(ens, num_return_sequences=np.array([[2]], np.int32)))
+        assert [t.decode() for t in r.as_numpy("text_output")] == [tokenizer.decode(reference[p])] * 2
+        q = PROMPTS[1]
+        two = {
+            "text_input": np.array([[p], [q]], dtype=object),
+            "max_tokens": np.array([[MAX_TOKENS]] * 2, np.int32),
+            "temperature": np.array([[1.0]] * 2, np.float32),
+        }
+        r = infer("ensemble", two)
+        assert [t.decode() for t in r.as_numpy("text_output")] == [tokenizer.decode(reference[x]) for x in (p, q)]
+        assert r.as_numpy("batch_index").tolist() == [[0], [1]]
+        qi = tokenizer.encode(q).ids
+        width = max(len(ids), len(qi))
+        rows = {
+            "input_ids": np.array([x + [0] * (width - len(x)) for x in (ids, qi)], np.int32),
+            "input_lengths": np.array([[len(ids)], [len(qi)]], np.int32),
+            "request_output_len": np.array([[MAX_TOKENS]] * 2, np.int32),
+            "runtime_top_k": np.array([[1]] * 2, np.int32),
+            "num_return_sequences": np.array([[2]] * 2, np.int32),
+            "exclude_input_in_output": np.array([[True]] * 2),
+        }
+        r = infer("tensorrt_llm", rows)
+        out, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
+        longest = max(len(reference[p]), len(reference[q]))
+        assert out.shape == (2, 2, longest) and lens.tolist() == [[len(reference[x])] * 2 for x in (p, q)]
+        for i, x in enumerate((p, q)):
+            assert out[i].tolist() == [reference[x] + [-1] * (longest - len(reference[x]))] * 2
+        with pytest.raises(InferenceServerException, match="asks for 18 sequences.*at most 16"):
+            infer("ensemble", dict(two, num_return_sequences=np.array([[9]] * 2, np.int32)))
         c.close()
 
 

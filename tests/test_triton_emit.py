@@ -618,3 +618,15 @@ def test_openai_port_refuses_a_non_decoupled_repository(tmp_path):
         serve(tmp_path / "unary", openai_port=free_port(), log=lines.append)
     assert err.value.exit_code == 2 and err.value.key == "triton.decoupled" and "--openai-port" in str(err.value)
     assert not any("starting tritonserver" in line for line in lines), lines
+
+
+def test_exclude_input_in_output_defaults(repo):
+    """The generator's exclude_input_in_output parameter is tensorrtllm_backend's template default (false: a token
+    request that does not send it gets the prompt first); the ensemble sends the generator preprocessing's answer
+    for it (true unless the client sent false), so its text stays the generated text."""
+    cfgs = configs(repo)
+    assert cfgs["tensorrt_llm"].parameters["exclude_input_in_output"].string_value == "false"
+    pre, gen = cfgs["ensemble"].ensemble_scheduling.step[:2]
+    assert pre.input_map["EXCLUDE_INPUT_IN_OUTPUT"] == "exclude_input_in_output"
+    assert gen.input_map["exclude_input_in_output"] == pre.output_map["OUT_EXCLUDE_INPUT_IN_OUTPUT"]
+    check_wiring(cfgs)

@@ -15,7 +15,9 @@ The same directory carries each model instance's liveness: every Python-backend 
 RUN_DIR/instances/<model>.<pid>.<n> once initialized and removes it in finalize (an unload, or tritonserver's
 shutdown). A registration whose process is gone is an instance that died without being unloaded (killed,
 crashed): tritonserver 2.51 keeps reporting such a model ready while every request to it hangs, so serve takes
-a dead instance as the server having failed (see serve.py).
+a dead instance as the server having failed (see serve.py). An instance that lives on but cannot serve any more
+(a generator whose tensor-parallel worker rank died) writes why into its registration: serve takes that as a
+failure too, since tritonserver would go on answering every request with an error.
 """
 
 from __future__ import annotations
@@ -104,6 +106,11 @@ class Instance:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 
+    def fail(self, why: str) -> None:
+        """This instance cannot serve any more (module doc); `why` is what serve reports."""
+        if self.path is not None and self.path.exists():
+            self.path.write_text(why.strip() or "failed")
+
 
 def dead_instances(run_dir: Path) -> list[tuple[str, int]]:
     """(model, pid) of every registered instance whose process is gone without having unregistered."""
@@ -114,6 +121,21 @@ def dead_instances(run_dir: Path) -> list[tuple[str, int]]:
         pid = rest if model else ""
         if pid.isdigit() and not _alive(int(pid)) and p.exists():  # exists: not unloaded meanwhile
             out.append((model, int(pid)))
+    return out
+
+
+def failed_instances(run_dir: Path) -> list[tuple[str, int, str]]:
+    """(model, pid, why) of every registered instance that said it cannot serve any more (Instance.fail)."""
+    regs = Path(run_dir) / "instances"
+    out = []
+    for p in regs.iterdir() if regs.is_dir() else ():
+        model, _, rest = p.name.rpartition(".")[0].rpartition(".")
+        try:
+            why = p.read_text().strip()
+        except OSError:  # unloaded meanwhile
+            continue
+        if why and model and rest.isdigit():
+            out.append((model, int(rest), why))
     return out
 
 

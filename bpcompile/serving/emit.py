@@ -322,6 +322,9 @@ PREPROCESSING_INPUTS = [
     ("EMBEDDING_BIAS_WORDS", T.TYPE_STRING, [-1], True),
     ("EMBEDDING_BIAS_WEIGHTS", T.TYPE_FP32, [-1], True),
     ("PROMPT_TABLE_EXTRA_ID", T.TYPE_UINT64, [1], True),
+    # bpcompile's: the native ensemble's request's exclude_input_in_output, answered as OUT_EXCLUDE_INPUT_IN_OUTPUT
+    # (true when not sent) for the generator, whose own default (its parameter) is what a token request gets
+    ("EXCLUDE_INPUT_IN_OUTPUT", T.TYPE_BOOL, [1], True),
 ]
 PREPROCESSING_OUTPUTS = [
     ("INPUT_ID", T.TYPE_INT32, [-1]),
@@ -343,6 +346,7 @@ PREPROCESSING_OUTPUTS = [
     ("IS_VIDEO_INPUT", T.TYPE_BOOL, [1]),
     ("ATTENTION_MASK", T.TYPE_INT64, [-1]),
     ("IMAGE_GRID_THW", T.TYPE_INT64, [3]),
+    ("OUT_EXCLUDE_INPUT_IN_OUTPUT", T.TYPE_BOOL, [1]),  # bpcompile's (EXCLUDE_INPUT_IN_OUTPUT above)
     ("VISION_INPUT_ID", T.TYPE_INT32, [-1]),
 ]
 
@@ -435,9 +439,12 @@ def generator_config(
     _outputs(cfg, ours + [o for o in TRTLLM_MODEL_OUTPUTS if o[0] not in {n for n, _, _ in ours}])
     # One instance = one runtime = one in-flight batch; more instances are more model copies, each its own batch.
     instance_groups(cfg, device, tp, instances)
-    # exclude_input_in_output: what a request that does not send it gets (the backend's parameter of that name).
+    # exclude_input_in_output: what a token request that does not send it gets (the backend's parameter of that
+    # name, false in its config template: the prompt leads a non-streamed output, which its clients expect unless
+    # given --exclude-input-in-output); text requests (the ensemble's, the OpenAI endpoint's) get the generated
+    # text only unless they say otherwise (preprocessing's OUT_EXCLUDE_INPUT_IN_OUTPUT, models/generator.py).
     # device: the setting (auto stays auto: the model resolves it where it runs); tp: for set_device's groups
-    _params(cfg, device=device, tp=tp, tree=json.dumps(tree) if tree else "", exclude_input_in_output="true")
+    _params(cfg, device=device, tp=tp, tree=json.dumps(tree) if tree else "", exclude_input_in_output="false")
     return cfg
 
 
@@ -789,6 +796,12 @@ def ensemble_config(max_batch_size: int, target: str = "native") -> mc.ModelConf
     }
     if target == "native":
         gen_in.update({n: n for n, _, _ in BACKEND_INPUTS})
+        # through preprocessing, which makes it true when the client did not send it: the ensemble answers the
+        # generated text only, whatever the generator's default for token requests
+        pre = cfg.ensemble_scheduling.step[0]
+        pre.input_map["EXCLUDE_INPUT_IN_OUTPUT"] = "exclude_input_in_output"
+        pre.output_map["OUT_EXCLUDE_INPUT_IN_OUTPUT"] = "_EXCLUDE_INPUT_IN_OUTPUT"
+        gen_in["exclude_input_in_output"] = "_EXCLUDE_INPUT_IN_OUTPUT"
         mid = ["CONTEXT_IDS", "READ_OFFSET", "IS_FINAL", "RESPONSE_INDEX", "FINISH_REASON"] + [n for n, _ in STATS]
         step(
             GENERATOR,

@@ -312,8 +312,8 @@ IGNORED = ("pad_id", "length_penalty", "len_penalty", "early_stopping", "beam_se
 
 def backend_options(get, exclude_default: bool = True) -> bool:
     """Check a request's tensorrtllm_backend inputs (get(name) -> array or None); returns exclude_input_in_output
-    (when absent, the model's `exclude_input_in_output` parameter, as the backend does: true by default, the
-    output holds the generated tokens only)."""
+    (when absent, `exclude_default`: for a token request the model's `exclude_input_in_output` parameter, as the
+    backend does)."""
     for name, ok in OFF_VALUES.items():
         kind = type(ok[0])
         v = scalar(get, name, ok[0], kind)

@@ -448,6 +448,10 @@ class ServerProcess:
         """(model, pid) of model instances whose process died without being unloaded (drain.py)."""
         return drain.dead_instances(self.run_dir) if self.run_dir is not None else []
 
+    def failed_instances(self) -> list[tuple[str, int, str]]:
+        """(model, pid, why) of live model instances that cannot serve any more (drain.py)."""
+        return drain.failed_instances(self.run_dir) if self.run_dir is not None else []
+
     def _stubs(self) -> list[tuple[int, list[str]]]:
         """(pid, command line) of tritonserver's child processes (the Python backend stubs)."""
         out = []
@@ -549,7 +553,10 @@ class Health:
         if p.poll() is not None:
             return f"tritonserver exited ({describe_exit(p.returncode)})"
         dead = self.server.dead_instances()
-        return f"model {', '.join(f'{m} (pid {pid})' for m, pid in dead)} died" if dead else None
+        if dead:
+            return f"model {', '.join(f'{m} (pid {pid})' for m, pid in dead)} died"
+        failed = self.server.failed_instances()
+        return "; ".join(f"model {m} (pid {pid}) failed: {why}" for m, pid, why in failed) or None
 
 
 class HealthServer:
@@ -745,7 +752,7 @@ def serve(
         dead = []
         while not signals and s.proc.poll() is None and not dead:
             time.sleep(0.2)
-            dead = s.dead_instances()
+            dead = s.dead_instances() or s.failed_instances()
             if not s.private_shm:
                 s.protect_regions()  # new stubs (a version loaded) have new regions
         if dead:

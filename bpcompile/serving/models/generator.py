@@ -19,8 +19,9 @@ sequence_length, batch_index, ...), so its clients that talk to this model by th
 
 Decoupled (the default) or not, as the repository was emitted (triton.decoupled): either way each request is
 answered through its response sender from the loop thread, so requests still join the running batch; not
-decoupled, that is exactly one response with the whole result (a unary ModelInfer answer), and stream=true is
-refused as tensorrtllm_backend refuses it with decoupled_mode false.
+decoupled, that is exactly one response with the whole result (a unary ModelInfer answer; a request's batch rows
+and num_return_sequences all in it, see _Gather), and stream=true is refused as tensorrtllm_backend refuses it
+with decoupled_mode false.
 
 Sampling as TensorRT-LLM sets it up (its DefaultDecodingParams and setupTopKRuntimeArgs): temperature defaults
 to 1.0, top_k and top_p to 0; top_k 0 with top_p 0 is greedy (its clients send temperature 1.0 and neither, or
@@ -109,6 +110,66 @@ class _Shared:
                 self.sender.send(response, flags=flags)
 
 
+class _Gather(_Shared):
+    """The sequences of one request to a repository emitted with decoupled false, answered in one response: each
+    sequence's final tensors are held until the last one's, then merged as TensorRT-LLM answers beams (one response,
+    a request's n sequences side by side): per-sequence outputs [batch rows, n, ...] (output_ids, sequence_length,
+    log probs, generation logits; ids padded with -1), per-row ones [batch rows, ...] (batch_index, the prompt's
+    context logits, perf metrics, token counts), and what postprocessing decodes (and the text interface's text)
+    [batch rows x n, ...] in row-major order, as the backend's postprocessing lists texts."""
+
+    PER_SEQUENCE = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "generation_logits")
+    PER_ROW = ("batch_index", "sequence_index", "num_input_tokens", "context_logits", "kv_cache_alloc_new_blocks",
+               "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
+               "first_token_time_ns", "last_token_time_ns")
+
+    def __init__(self, sender, jobs: list):
+        super().__init__(sender, len(jobs))
+        self.jobs, self.held = jobs, {}
+
+    def hold(self, job, tensors) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.held[id(job)] = {t.name(): t.as_numpy() for t in tensors}
+            if len(self.held) < len(self.jobs):
+                return
+        out = [self.held[id(j)] for j in self.jobs]
+        rows = [[o for j, o in zip(self.jobs, out) if j.batch_index == r] for r in range(self.jobs[-1].batch_index + 1)]
+        merged = {}
+        for name in out[0]:
+            if name in self.PER_SEQUENCE:
+                merged[name] = _stack([_stack([o[name] for o in row], 1) for row in rows], 0)
+            elif name == "num_output_tokens":  # the row's sequences together
+                merged[name] = _stack([sum(o[name] for o in row) for row in rows], 0)
+            elif name in self.PER_ROW:
+                merged[name] = _stack([row[0][name] for row in rows], 0)
+            else:
+                merged[name] = _stack([o[name] for o in out], 0)
+        resp = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in merged.items()])
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.sender.send(resp, flags=FINAL)
+
+
+def _stack(arrays: list, axis: int):
+    """Concatenated along `axis`, the other dimensions padded to the largest (ids with -1, as TensorRT-LLM pads
+    beams; numbers with 0, text with b"")."""
+    arrays = [np.asarray(a) for a in arrays]
+    if len(arrays) == 1:
+        return arrays[0]
+    ndim = max(a.ndim for a in arrays)
+    arrays = [a.reshape(a.shape + (1,) * (ndim - a.ndim)) for a in arrays]
+    width = [max(a.shape[d] for a in arrays) for d in range(ndim)]
+    fill = b"" if arrays[0].dtype == np.object_ else -1 if arrays[0].dtype.kind == "i" else 0
+    padded = []
+    for a in arrays:
+        pad = [(0, 0 if d == axis else width[d] - a.shape[d]) for d in range(ndim)]
+        padded.append(np.pad(a, pad, constant_values=fill) if any(p for _, p in pad) else a)
+    return np.concatenate(padded, axis=axis)
+
+
 class _TritonLoop(InflightLoop):
     """The runtime's in-flight loop, answering through each request's Triton response sender."""
 
@@ -163,6 +224,8 @@ class _TritonLoop(InflightLoop):
     def on_failed(self, job: _Job) -> None:
         peers = self.model.gen.peers  # a tensor-parallel rank that died or hung: say which
         lost = peers.summary if peers is not None and peers.summary else None
+        if lost:  # the workers are stopped, so every later request would fail too: serve restarts the server
+            self.model.alive.fail(f"{lost} (its workers were stopped)")
         job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
             f"generation failed: {lost} (restart the server)" if lost else
             "generation failed (an internal error; the server log has the details)",
@@ -225,7 +288,8 @@ class TritonPythonModel:
                                          prefix_reuse=reuse if prefix_reuse_override() is None else None)
         self.max_seq_len, self.max_input_len = self.gen.max_seq_len, self.gen.max_input_len
         self.max_sequences = max(1, int(self.model_config.get("max_batch_size", 1)))
-        self.exclude_default = params.get("exclude_input_in_output", "true").lower() not in ("false", "0", "no")
+        # a token request's default (the backend's parameter, false unless set); text requests exclude by default
+        self.exclude_default = params.get("exclude_input_in_output", "false").strip().lower() in ("true", "1", "yes")
         self.text = TextInterface(engine_dir / "tokenizer", self.max_input_len)
         self.logger = pb_utils.Logger
         self.metrics = _Metrics({"version": str(self.engine_version),
@@ -280,18 +344,18 @@ class TritonPythonModel:
                 if s and job.params.seed is not None:
                     job.params.seed = (job.params.seed + s) & 0xFFFFFFFFFFFFFFFF
                 jobs.append(job)
-        if len(jobs) > 1 and not self.decoupled:
+        if len(jobs) > self.max_sequences and not self.decoupled:  # one response holds them all (_Gather)
             raise BadRequest(f"this request asks for {len(jobs)} sequences (batch rows x num_return_sequences); a "
-                             "repository emitted with triton.decoupled false answers one per request: send them "
-                             "one at a time, or emit with --decoupled")
+                             "repository emitted with triton.decoupled false answers them in one response, at most "
+                             f"{self.max_sequences} (max_batch_size): send fewer, or emit with --decoupled")
         return jobs
 
     def _parse_one(self, get):
         from bpcompile.runtime.generator import SamplingParams
 
         # first: a request of a kind bpcompile does not serve (a stop request carries no prompt) is refused by name
-        exclude = backend_options(get, self.exclude_default)
         ids = get("input_ids")
+        exclude = backend_options(get, self.exclude_default if ids is not None else True)
         text = ids is None
         if text:  # the ensemble's interface (module doc); sizes are checked before tokenizing
             prompt = self.text.prompt(get("text_input"))
@@ -378,7 +442,7 @@ class TritonPythonModel:
                     "the generator could not read the request (an internal error; the server log has the "
                     "details)", pb_utils.TritonError.INTERNAL)), flags=FINAL)
                 continue
-            shared = _Shared(sender, len(jobs))
+            shared = _Shared(sender, len(jobs)) if self.decoupled or len(jobs) == 1 else _Gather(sender, jobs)
             for job in jobs:
                 job.sender = shared
                 if not self.drain.submit(self.loop.submit, job):
@@ -440,7 +504,7 @@ class TritonPythonModel:
         outs += [t("output_ids", [new], np.int32), t("sequence_length", [len(new)], np.int32),
                  t("batch_index", [job.batch_index], np.int32), t("sequence_index", [job.seq_index], np.int32),
                  t("num_input_tokens", [len(job.prompt)], np.int32), t("num_output_tokens", [len(job.out)], np.int32)]
-        resp = pb_utils.InferenceResponse(output_tensors=outs + [
+        outs += [
             t("acceptance_rate", [accepted / drafted if drafted else 0.0], np.float32),
             t("total_accepted_draft_tokens", [accepted], np.int32),
             t("total_draft_tokens", [drafted], np.int32),
@@ -448,10 +512,13 @@ class TritonPythonModel:
             t("verifier_steps", [steps], np.int32),
             t("engine_version", [self.engine_version], np.int32),
             t("cached_tokens", [int(getattr(s, "reused_tokens", 0) or 0)], np.int32),
-        ])
+        ]
         job.index += 1
         job.sent = len(job.out)
-        job.sender.send(resp, flags=FINAL if o.finished else 0)
+        if isinstance(job.sender, _Gather):  # a unary request's sequences: one response holds them all
+            job.sender.hold(job, outs)
+            return
+        job.sender.send(pb_utils.InferenceResponse(output_tensors=outs), flags=FINAL if o.finished else 0)
 
     def _close(self, job, error):
         # The request is complete only once its final flag is sent: without it, a cancelled request keeps the

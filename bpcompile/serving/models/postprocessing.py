@@ -38,13 +38,21 @@ class TritonPythonModel:
         def get(name):
             return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
 
-        ctx = get("CONTEXT_IDS").reshape(-1)
-        read = int(get("READ_OFFSET").reshape(-1)[0])
-        final = bool(get("IS_FINAL").reshape(-1)[0])
-        text = delta_text(self.decode, ctx, read, final)
+        # one row per sequence: a unary repository answers a request's sequences in one response, their contexts
+        # padded with -1 (models/generator.py)
+        reads = get("READ_OFFSET").reshape(-1)
+        ctxs = get("CONTEXT_IDS").reshape(len(reads), -1)
+        finals = get("IS_FINAL").reshape(-1)
+        texts, ids = [], []
+        for ctx, read, final in zip(ctxs, reads, finals):
+            ctx = ctx[ctx >= 0]
+            texts.append(delta_text(self.decode, ctx, int(read), bool(final)).encode("utf-8"))
+            ids.append(ctx[int(read):])
+        width = max(len(i) for i in ids)
         # [batch] as tensorrtllm_backend's postprocessing returns it: its clients read text_output[0] as bytes
-        outs = [pb_utils.Tensor("OUTPUT", np.array([text.encode("utf-8")], dtype=np.object_)),
-                pb_utils.Tensor("OUTPUT_IDS", ctx[read:].astype(np.int32).reshape(1, -1))]
+        outs = [pb_utils.Tensor("OUTPUT", np.array(texts, dtype=np.object_)),
+                pb_utils.Tensor("OUTPUT_IDS", np.array([np.pad(i, (0, width - len(i)), constant_values=-1) for i in ids],
+                                                       dtype=np.int32))]
         outs += [pb_utils.Tensor("OUT_" + n, get(n)) for n in PASS_THROUGH]
         return pb_utils.InferenceResponse(output_tensors=outs)
 

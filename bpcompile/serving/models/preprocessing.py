@@ -54,7 +54,8 @@ class TritonPythonModel:
             outs.append({t.name(): t.as_numpy() for t in self._row(get).output_tensors()})
         merged = []
         for name, fill in (("INPUT_ID", None), ("REQUEST_INPUT_LEN", 0), ("REQUEST_OUTPUT_LEN", 0),
-                           ("STOP_WORDS_IDS", 0), ("BAD_WORDS_IDS", 0), ("OUT_END_ID", 0), ("OUT_PAD_ID", 0)):
+                           ("STOP_WORDS_IDS", 0), ("BAD_WORDS_IDS", 0), ("OUT_END_ID", 0), ("OUT_PAD_ID", 0),
+                           ("OUT_EXCLUDE_INPUT_IN_OUTPUT", 0)):
             parts = [o[name] for o in outs]
             width = max(p.shape[-1] for p in parts)
             padded = []
@@ -92,6 +93,9 @@ class TritonPythonModel:
             pb_utils.Tensor("BAD_WORDS_IDS", bad[None]),
             pb_utils.Tensor("OUT_END_ID", np.array([[end_id]], dtype=np.int32)),
             pb_utils.Tensor("OUT_PAD_ID", np.array([[pad_id]], dtype=np.int32)),
+            # the ensemble answers the generated text only unless the client asks for the prompt too (emit.py)
+            pb_utils.Tensor("OUT_EXCLUDE_INPUT_IN_OUTPUT",
+                            np.array([[scalar(get, "EXCLUDE_INPUT_IN_OUTPUT", True, bool)]], dtype=np.bool_)),
         ])
 
     def execute(self, requests):
