@@ -475,7 +475,8 @@ def device_notes(recipe: Recipe, verifier: dict, draft: Optional[dict]) -> list[
     use = (
         f"runtime.device {recipe.runtime.device}: the engine runs at tp {tp} on {tp} GPU{'s' if tp > 1 else ''}, "
         f"per GPU {p['total_bytes'] / GB:.1f} GB (weights {p['weights_bytes'] / GB:.1f} + KV caches "
-        f"{p['kv_bytes'] / GB:.1f} + activations {p['activations_bytes'] / GB:.1f}) of "
+        f"{p['kv_bytes'] / GB:.1f} + dense KV copies {p['dense_kv_bytes'] / GB:.1f} + a chunked prompt's K/V "
+        f"{p['chunk_kv_bytes'] / GB:.1f} + activations {p['activations_bytes'] / GB:.1f}) of "
         f"{p['usable_bytes'] / GB:.1f} GB usable on {'this machine' if gpus else 'an'} {dev.name}"
         f"{'' if gpus else ' (bpcompile plan --device for another GPU)'}"
         f"{'' if p['fits'] else ': it does NOT fit (bpcompile plan shows the smallest tp that does)'}"
