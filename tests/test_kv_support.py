@@ -214,3 +214,21 @@ def test_onnx_export_refuses_what_the_step_graphs_do_not_read(tmp_path):
         export_model(random_llama(cfg, seed=0), QuantKVStore(_plan("klt6"), 4, 8), tmp_path / "g", 64)
     assert "onnxruntime executor's step graphs do not read KLT6 key units" in str(e.value) and e.value.exit_code == 2
     assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_every_shipped_recipes_plan_is_read_by_the_oracle_and_the_kernels(recipe):
+    """Each shipped recipe's KV settings, resolved as a build resolves them (and with only the format, group and
+    page size given: what auto settings choose), ask nothing of the torch executor, the Triton kernels or the
+    recipe's own readers that the support table says they do not read: the kernels run them with no fallback
+    (benchmarks/check_recipe_plans.py generates with them, docs/KV_FORMAT.md)."""
+    import yaml
+
+    from bpcompile.compiler.recipe import kv_problems
+    from bpcompile.core.engine import EngineConfig
+
+    raw = yaml.safe_load((REPO / "recipes" / recipe).read_text())
+    auto = {k: v for k, v in raw["kv_cache"].items() if k in ("format", "group_size", "page_size")}
+    for kv in (raw["kv_cache"], auto):
+        cfg = EngineConfig.from_sections({**raw, "kv_cache": kv})
+        assert kv_problems(cfg, ("torch", "triton", *cfg.kv_readers)) == []
