@@ -1151,6 +1151,24 @@ def test_presence_frequency_and_min_tokens(pair):
         Generator(v, None, None).add_request([5], SamplingParams(max_tokens=4, min_tokens=5))
 
 
+def test_a_seeded_sampled_request_ignores_backoff(pair, monkeypatch):
+    """Backoff picks each step's tree from timings (here: at random, off or shorter); a seeded sampled request
+    draws its random numbers along its tree, so it keeps the configured tree and the same seed gives the same
+    tokens every run, whatever backoff chose."""
+    import random
+
+    from bpcompile.runtime.speculative import BackOff, TreeSpec
+
+    choices = [TreeSpec("none"), TreeSpec("dynamic", length=1, nodes=1), TREES["dynamic"]]
+    monkeypatch.setattr(BackOff, "next_spec", lambda self: random.choice(choices))
+    v, d = pair
+    gen = Generator(v, d, TREES["dynamic"], max_batch_size=4, page_size=4)
+    assert gen.spec.backoff is not None
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=11)
+    runs = [gen.generate([PROMPTS[1]], params)[0][0] for _ in range(4)]
+    assert all(r == runs[0] for r in runs) and len(runs[0]) == 16
+
+
 def test_openai_penalties_count_generated_tokens_only():
     """penalties_over_output (the OpenAI API's definition): presence / frequency count the last `generated` tokens
     only and are not scaled by the temperature; repetition_penalty still covers the prompt."""

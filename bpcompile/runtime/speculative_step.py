@@ -61,7 +61,12 @@ class SpeculativeStep:
         spec = self.backoff.next_spec() if self.backoff is not None else self.tree
         for r in reqs:
             depth = r.params.max_tokens - len(r.out) - 1 if self.draft is not None else 0
-            tree, b = make_builder(spec, r.tokens[-1], r.sampling, depth, self.calib, self.columns)
+            # a seeded sampled request draws its random numbers along its tree, so it gets the configured tree
+            # every step: backoff's, chosen by timings, would make the same seed give other tokens another time
+            seeded = r.params.seed is not None and not r.sampling.greedy
+            tree, b = make_builder(
+                self.tree if seeded else spec, r.tokens[-1], r.sampling, depth, self.calib, self.columns
+            )
             trees.append(tree)
             builders.append(b)
         drafting = [k for k, b in enumerate(builders) if b is not None]
