@@ -219,7 +219,8 @@ def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path, monkeypatch):
     """The emitted repository of the tp=2 engine through a real tritonserver: the generator model instance starts
     its rank-1 worker and stops it on unload; greedy output equals the in-process tp=1 engine's for the same 50
     prompts x 32 tokens (8 concurrent clients, so requests share the tp=2 batch), and streamed for a few. Then
-    the worker is stopped (SIGSTOP): the next request fails, naming rank 1, once the collective timeout passes."""
+    the worker is stopped (SIGSTOP): the next request fails, naming rank 1, once the collective timeout passes,
+    and the server's health says the generator failed."""
     pytest.importorskip("tritonclient.grpc")
     pytest.importorskip("pytriton")
     from concurrent.futures import ThreadPoolExecutor
@@ -228,7 +229,7 @@ def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path, monkeypatch):
 
     from bpcompile.serving.client import RemoteError, generate_remote
     from bpcompile.serving.emit import emit_repository
-    from bpcompile.serving.serve import ServerProcess
+    from bpcompile.serving.serve import Health, ServerProcess
 
     tok = Tokenizer.from_file(str(tiny_tp2 / "tokenizer" / "tokenizer.json"))
     texts = [tok.decode(p) for p in _prompts(tiny_tp2, N_PROMPTS)]
@@ -259,6 +260,12 @@ def test_tritonserver_runs_a_tp2_generator(tiny_tp2, tmp_path, monkeypatch):
         os.kill(int(worker), signal.SIGSTOP)
         with pytest.raises(RemoteError, match=r"tensor-parallel rank 1 is stopped"):
             generate_remote(s.grpc_url, texts[0], 4, stream=False)
+        # the generator says it cannot serve any more: what `bpcompile serve` reports on /health (503) and takes
+        # as the server having failed (it stops tritonserver and exits 1), its main loop asking the same question
+        health = Health(s)
+        health.started = True
+        assert s.failed_instances() and health.problem().startswith("model tensorrt_llm (pid ")
+        assert "failed: tensor-parallel rank 1 is stopped" in health.problem()
     assert s.proc.returncode == 0 and workers() == []
 
 
