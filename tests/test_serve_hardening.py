@@ -417,3 +417,21 @@ kernels: {{compile: false}}
     assert "pip install 'bpcompile[serve]'" in r.stderr and "triton.emit" in r.stderr, r.stderr
     assert not list(tmp_path.rglob("manifest.json"))  # no engine version published
     assert not (tmp_path / "triton_repo").exists()
+
+
+def test_an_instance_that_cannot_serve_is_a_failure_until_unloaded(tmp_path, monkeypatch):
+    """A live model instance that says it cannot serve any more (a generator whose tensor-parallel rank died) is
+    listed with its reason, which serve's health reports and its main loop stops on; unloading it clears it. It is
+    not a dead instance: its process lives."""
+    from bpcompile.serving import drain
+
+    monkeypatch.setenv(drain.ENV, str(tmp_path))
+    inst = drain.Instance("tensorrt_llm")
+    assert drain.failed_instances(tmp_path) == []
+    inst.fail("tensor-parallel rank 1 exited with code -9")
+    assert drain.failed_instances(tmp_path) == [
+        ("tensorrt_llm", os.getpid(), "tensor-parallel rank 1 exited with code -9")
+    ]
+    assert drain.dead_instances(tmp_path) == []
+    inst.close()
+    assert drain.failed_instances(tmp_path) == []
