@@ -46,6 +46,7 @@ def ask(url: str, ids: list[int]) -> tuple[list[int], int]:
         "temperature": np.array([[0.0]], np.float32),
         "end_id": np.array([[-1]], np.int32),
         "return_perf_metrics": np.array([[True]]),
+        "exclude_input_in_output": np.array([[True]]),  # the generated tokens only (the default puts the prompt first)
     }
     (r,) = stream_request(url, "tensorrt_llm", inputs)
     n = int(r.as_numpy("sequence_length")[0][0])
