@@ -10,6 +10,7 @@ import json
 import shutil
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -238,15 +239,20 @@ def test_bench_against_the_openai_endpoint_with_a_plot(api, tmp_path):
 
 @pytest.fixture(scope="module")
 def hf():
-    """The tiny pair's verifier in transformers (the oracle) and its tokenizer."""
+    """The served pair's verifier in transformers (the oracle) and its tokenizer: the tiny pair's, or the HF
+    checkpoint $BPCOMPILE_TEST_HF_VERIFIER names when $BPCOMPILE_TEST_ENGINE serves another engine (e.g.
+    models/smollm2/verifier with engines/smollm2/1)."""
+    import os
+
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     from tests.serving_fixtures import TINY
 
-    model = AutoModelForCausalLM.from_pretrained(TINY / "verifier", dtype=torch.float32).eval()
-    return model, Tokenizer.from_file(str(TINY / "verifier" / "tokenizer.json"))
+    src = Path(os.environ.get("BPCOMPILE_TEST_HF_VERIFIER") or TINY / "verifier")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    return model, Tokenizer.from_file(str(src / "tokenizer.json"))
 
 
 def _hf_greedy(hf, prompt: str, n: int, presence: float = 0.0, frequency: float = 0.0, over_prompt: bool = False):
@@ -272,20 +278,21 @@ def test_logprobs_and_top_logprobs_are_the_verifiers(api, hf):
     """Completions `logprobs: 3` and chat `logprobs` + `top_logprobs: 2`, greedy: each token's log probability is
     transformers' log-softmax of the verifier at that position (within the quantized KV cache's error), its
     alternatives are the most likely tokens in order, and the greedy token is the first of them."""
-    client, _ = api
-    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, logprobs=3)
+    client, front = api
+    r = client.completions.create(model=front.model_id, prompt=PROMPTS[0], max_tokens=N, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     want, rows = _hf_greedy(hf, PROMPTS[0], N)
     _, tok = hf
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == N
     assert "".join(lp.tokens) == r.choices[0].text == tok.decode(want)
     for j, (got, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs)):
-        assert got == pytest.approx(float(rows[j][want[j]]), abs=0.1), j
+        # the quantized KV cache moves log probabilities by up to 0.12 on SmolLM2 (under 0.1 on the tiny pair)
+        assert got == pytest.approx(float(rows[j][want[j]]), abs=0.25), j
         assert len(top) == 3 and list(top.values()) == sorted(top.values(), reverse=True)
         assert max(top.values()) == pytest.approx(got) and got <= 0
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     c = client.chat.completions.create(
-        model="tiny",
+        model=front.model_id,
         messages=[{"role": "user", "content": PROMPTS[1]}],
         max_tokens=N,
         temperature=0,
@@ -305,13 +312,13 @@ def test_penalties_are_the_openai_apis_over_generated_tokens(api, hf):
     """presence_penalty / frequency_penalty as the OpenAI API defines them: greedy output = transformers' greedy
     decoding with logit - frequency * count - presence * (count > 0) over the generated tokens, which differs
     here both from no penalties and from penalties that count the prompt's tokens too (TensorRT-LLM's)."""
-    client, _ = api
+    client, front = api
     prompt, kw = PROMPTS[0], dict(presence=0.8, frequency=1.5)
     want, _ = _hf_greedy(hf, prompt, N, **kw)
     assert want != _hf_greedy(hf, prompt, N)[0] and want != _hf_greedy(hf, prompt, N, over_prompt=True, **kw)[0]
     _, tok = hf
     r = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=N, temperature=0, presence_penalty=0.8, frequency_penalty=1.5
+        model=front.model_id, prompt=prompt, max_tokens=N, temperature=0, presence_penalty=0.8, frequency_penalty=1.5
     )
     assert r.choices[0].text == tok.decode(want)
 
@@ -319,8 +326,8 @@ def test_penalties_are_the_openai_apis_over_generated_tokens(api, hf):
 def test_n_choices_and_seed_are_reproducible(api):
     """`n` sampled choices, choice i seeded with seed + i: the same request gives the same choices (five times,
     chat and completions), choice 1 of seed 7 is the single choice of seed 8, and the choices differ."""
-    client, _ = api
-    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=1.0)
+    client, front = api
+    kw = dict(model=front.model_id, prompt=PROMPTS[1], max_tokens=12, temperature=1.0)
     first = client.completions.create(n=3, seed=7, **kw)
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
@@ -331,7 +338,7 @@ def test_n_choices_and_seed_are_reproducible(api):
     assert client.completions.create(n=1, seed=8, **kw).choices[0].text == texts[1]
     msgs = [{"role": "user", "content": PROMPTS[0]}]
     chats = {
-        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=1.0, seed=3)
+        client.chat.completions.create(model=front.model_id, messages=msgs, max_tokens=12, temperature=1.0, seed=3)
         .choices[0]
         .message.content
         for _ in range(5)
@@ -440,6 +447,23 @@ def test_malformed_bodies_get_openai_errors(api):
     assert _raw(front, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
 
 
+def test_slow_clients_are_cut_off(api, monkeypatch):
+    """A connection that does not finish its request head in time is closed; a body that does not arrive in time
+    gets 408 (both limits shortened here from 10 s and 30 s)."""
+    import socket
+
+    from bpcompile.serving import openai_frontend
+
+    _, front = api
+    monkeypatch.setattr(openai_frontend._Protocol, "header_timeout", 0.5)
+    monkeypatch.setattr(openai_frontend, "BODY_TIMEOUT", 0.5)
+    with socket.create_connection(front.sock.getsockname()[:2], timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert s.recv(100) == b""  # closed, not answered
+    status, body, took = _raw(front, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    assert status == 408 and "within" in json.loads(body)["error"]["message"] and took < 5
+
+
 def test_api_key_guards_the_v1_routes(api):
     """With an API key, /v1 answers 401 without `Authorization: Bearer <key>` and serves with it (the openai
     client sends it); /health and /metrics stay open."""
@@ -494,13 +518,18 @@ def test_metrics_count_a_known_run(api):
     assert got == {"ok": 3, "tokens": 15, "ttft": 3, "itl": 12}
 
 
-def test_closed_streams_stop_costing_work(api):
+def test_closed_streams_stop_costing_work(api, caplog):
     """8 streams asking for 400 tokens, each closed after its first chunk: the generator counts 8 cancellations
-    and its step counter stops moving (it would run ~400 more steps otherwise); no traceback is logged."""
+    and its step counter stops moving (it would run ~400 more steps otherwise); the endpoint counts 8
+    disconnects and logs no warning or error (uvicorn, asyncio and grpc log through the process's logging)."""
+    import logging
     import socket
     import time
 
+    caplog.set_level(logging.WARNING)
     client, front = api
+    url = front.url.removesuffix("/v1") + "/metrics"
+    d0 = _series(_scrape(url), "bpcompile_openai_disconnects_total")
     metrics = front.triton_metrics
     steps = lambda: _series(_scrape(metrics), "bpcompile_generator_steps_total")  # noqa: E731
     cancelled = lambda: _series(_scrape(metrics), "bpcompile_generator_cancelled_total")  # noqa: E731
@@ -519,6 +548,8 @@ def test_closed_streams_stop_costing_work(api):
     s0 = steps()
     time.sleep(2)
     assert steps() - s0 == 0
+    assert _series(_scrape(url), "bpcompile_openai_disconnects_total") - d0 == 8
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_32_streams_and_200_idle_connections(api):

@@ -716,9 +716,6 @@ class _Job:
                 else:
                     ch.top.append([])
 
-    async def _run_all(self, out: asyncio.Queue) -> list[asyncio.Task]:
-        return [asyncio.create_task(self._generate(ch, out)) for ch in self.choices]
-
     def _error(self, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
             return e
@@ -734,32 +731,28 @@ class _Job:
         """(choice, text piece) as the generations answer; (choice, None) when a choice has ended. Leaving early
         (the client went away, an error) cancels every generation still running."""
         out: asyncio.Queue = asyncio.Queue()
-        tasks = await self._run_all(out)
-        ended = 0
+
+        async def run(ch: _Choice) -> None:
+            try:
+                await self._generate(ch, out)
+            except Exception as e:  # to the reader, which answers it
+                await out.put((ch, e))
+
+        tasks = [asyncio.create_task(run(ch)) for ch in self.choices]
+        ended, failed = 0, False
         try:
             while ended < len(tasks):
-                get = asyncio.ensure_future(out.get())
-                done, _ = await asyncio.wait([get, *[t for t in tasks if not t.done()]],
-                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                if get not in done:
-                    get.cancel()
-                    for t in done:  # a generation that failed without putting its end
-                        if t.exception() is not None:
-                            raise self._error(t.exception())
-                    continue
-                ch, piece = get.result()
-                if piece is None:
-                    ended += 1
+                ch, piece = await out.get()
+                if isinstance(piece, Exception):
+                    failed = True
+                    raise self._error(piece)
+                ended += piece is None
                 yield ch, piece
-            try:
-                await asyncio.gather(*tasks)
-            except Exception as e:
-                raise self._error(e) from None
             self.done = True
         finally:
             for t in tasks:
                 t.cancel()
-            if not self.done and not _failed(tasks):  # left early without an error: the client went away
+            if not self.done and not failed:  # left early without an error: the client went away
                 self.front.metrics.disconnects.inc()
 
     def _finish(self, ch: _Choice) -> str:
@@ -916,10 +909,6 @@ class _RemoteError(RuntimeError):
     def __init__(self, message: str, unavailable: bool = False):
         super().__init__(message)
         self.unavailable = unavailable
-
-
-def _failed(tasks) -> bool:
-    return any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks)
 
 
 def _scalar(res, name: str):
