@@ -680,7 +680,7 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
 def test_exact_entries_and_the_default_plans_units_by_reader(pair):
     """Who reads what is the support table's answer (bpcompile.core.kv_support): the Triton kernels read exact
     entries and INT6 / INT3 units (tests/test_runtime_kernels.py generates through them); the onnxruntime
-    executor's graphs do not: a Generator refuses the plan, naming what."""
+    executor's graphs read INT6 / INT3 units but not exact entries: a Generator refuses such a plan, naming what."""
     from dataclasses import replace
 
     from bpcompile.core.kv_support import takes
@@ -690,20 +690,20 @@ def test_exact_entries_and_the_default_plans_units_by_reader(pair):
     exact = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=4)
     bands = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
     bands.precision[0] = {"k": ["int6"] * c.num_kv_heads, "v": ["int3"] * c.num_kv_heads}
-    for plan, feature, why in ((exact, "exact", "do not read exact"), (bands, "int6", "do not read INT6 units")):
+    for plan, feature in ((exact, "exact"), (bands, "int6")):
         store = kv_store_factory(plan)(c, 4, 4, "cpu")
         assert (store.support("triton") == []) == takes("triton", feature)
-        assert not takes("onnxruntime", feature)
-        with pytest.raises(UserError, match=f"onnxruntime executor's step graphs {why}"):
-            Generator(
-                pair[0],
-                None,
-                None,
-                page_size=4,
-                kv_store_factory=kv_store_factory(plan),
-                executor="onnxruntime",
-                graphs="/nonexistent",
-            )
+        assert (store.support("onnxruntime") == []) == takes("onnxruntime", feature) == (feature == "int6")
+    with pytest.raises(UserError, match="onnxruntime executor's step graphs do not read exact"):
+        Generator(
+            pair[0],
+            None,
+            None,
+            page_size=4,
+            kv_store_factory=kv_store_factory(exact),
+            executor="onnxruntime",
+            graphs="/nonexistent",
+        )
 
 
 # -------------------------------------------------------------------------------- batching & lifetime
