@@ -251,7 +251,7 @@ def speculation(engine: Path, max_tokens: int) -> dict:
 
 
 def via_generate(engine: Path, max_tokens: int, cli: int, limit: int) -> dict:
-    """Each prompt alone (batch 1) through `bpcompile generate`'s own code (`commands._generate`: --raw for code,
+    """Each prompt alone (batch 1) through `bpcompile generate`'s own code (`commands.generate_loaded`: --raw for code,
     the chat template for chat requests, every end id), with speculation and with --no-speculation, over one load
     of the engine; and the first `cli` prompts also through the `bpcompile generate` command itself (one process
     per prompt and mode, before the in-process run so that one copy of the weights is in memory at a time)."""
@@ -260,7 +260,7 @@ def via_generate(engine: Path, max_tokens: int, cli: int, limit: int) -> dict:
 
     from tokenizers import Tokenizer
 
-    from bpcompile.commands import _generate
+    from bpcompile.commands import generate_loaded
     from bpcompile.runtime.text import end_ids
 
     texts = list(CODE) + list(CHAT)  # as a user types them: `generate` applies the template itself
@@ -283,7 +283,7 @@ def via_generate(engine: Path, max_tokens: int, cli: int, limit: int) -> dict:
     for text, r in zip(texts, raw):
         for name, gen in (("verifier only", plain), ("speculation", spec)):
             with contextlib.redirect_stdout(io.StringIO()):
-                res = _generate(gen, engine, tok, text, max_tokens, 0.0, None, ends, True, not r)
+                res = generate_loaded(gen, engine, tok, text, max_tokens, 0.0, None, ends, True, not r)
             out[name].append(res["tokens"])
             wall[name] += res["wall_s"]
             if name == "speculation":

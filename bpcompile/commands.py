@@ -245,12 +245,12 @@ def generate_text(
     spec = TreeSpec("none") if no_speculation else (parse_tree_spec(tree) if tree else None)
     gen = Generator.from_engine(d, tree=spec, executor=executor, tp=tp, device=device, verify=False)  # checked above
     try:
-        return _generate(gen, d, tok, prompt_text, max_tokens, temperature, seed, end_id, json_out, chat)
+        return generate_loaded(gen, d, tok, prompt_text, max_tokens, temperature, seed, end_id, json_out, chat)
     finally:
         gen.close()
 
 
-def _generate(
+def generate_loaded(
     gen,
     d: Path,
     tok,
@@ -262,6 +262,8 @@ def _generate(
     json_out: bool,
     chat: bool,
 ) -> dict:
+    """`bpcompile generate`'s work for one prompt on an already loaded Generator (a caller that runs many prompts
+    through the command's own path loads the engine once)."""
     from tokenizers.decoders import DecodeStream
 
     from bpcompile.runtime.generator import SamplingParams
