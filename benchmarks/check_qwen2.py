@@ -346,6 +346,8 @@ def via_triton(engine: Path, max_tokens: int, concurrency: int, reference: Path 
         "tau": round(sum(t * n for t, n in taus) / max(steps, 1), 3),
         "verifier_only_s": round(wall["verifier only"], 1),
         "speculation_s": round(wall["speculation"], 1),
+        "picked": pick,
+        "outputs": out,
     }
     if reference is not None:
         ref = json.loads(reference.read_text())
