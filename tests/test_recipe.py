@@ -152,12 +152,6 @@ def test_shipped_recipes_parse():
             "onnxruntime executor's step graphs do not read exact",
         ),
         (
-            "kv_cache: {int6_keys: early, recent_window: 0}\nruntime: {executor: onnxruntime}\n",
-            "kv_cache.int6_keys",
-            "kv_cache",
-            "onnxruntime executor's step graphs do not read INT6",
-        ),
-        (
             "kv_cache: {key_transform: klt, recent_window: 0}\nruntime: {executor: onnxruntime}\n",
             "kv_cache.key_transform",
             "kv_cache",
