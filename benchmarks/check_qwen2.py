@@ -358,7 +358,7 @@ def via_triton(engine: Path, max_tokens: int, concurrency: int, reference: Path 
     return result
 
 
-def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float) -> dict:
+def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float, hf: Path = MODELS) -> dict:
     """Batch-1 decode tokens/s of three rows, interleaved: each repeat runs every row on every prompt, the rows in a
     rotated order (a drift of the machine's speed hits all rows alike), `pause` seconds between runs. A run's time is
     its whole generate call (prompt included) over the tokens it generated; the rows decode the same prompts to the
@@ -370,13 +370,15 @@ def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float) -> 
 
     from bpcompile.runtime.generator import SamplingParams
     from bpcompile.runtime.model import cpu_layout
+    from bpcompile.runtime.text import end_ids
 
     ps = prompts(engine / "tokenizer")
     ps = [ps[i] for i in spread(len(ps), n)]
     spec, plain = generators(engine)
-    hf_v = transformers.AutoModelForCausalLM.from_pretrained(MODELS / "verifier", dtype=torch.float32).eval()
-    hf_d = transformers.AutoModelForCausalLM.from_pretrained(MODELS / "draft", dtype=torch.float32).eval()
+    hf_v = transformers.AutoModelForCausalLM.from_pretrained(hf / "verifier", dtype=torch.float32).eval()
+    hf_d = transformers.AutoModelForCausalLM.from_pretrained(hf / "draft", dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=max_tokens)
+    pad = end_ids(engine / "tokenizer")[0]  # batch 1 pads nothing; generate() asks for an id all the same
 
     def ours(gen, p):
         ((out, _),) = gen.generate([p], params)
@@ -386,7 +388,7 @@ def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float) -> 
         ids = torch.tensor([p])
         with torch.no_grad():
             out = hf_v.generate(ids, assistant_model=hf_d, do_sample=False, max_new_tokens=max_tokens,
-                                min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=151643)  # fmt: skip
+                                min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=pad)  # fmt: skip
         return out.shape[1] - len(p)
 
     rows = {
@@ -409,7 +411,7 @@ def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float) -> 
         for name in names:
             per[name].append(round(k[name] / t[name], 3))
         print(json.dumps({"repeat": r, **{x: per[x][-1] for x in names}}), file=sys.stderr, flush=True)
-    rate = {k: statistics.median(v) for k, v in per.items()}
+    rate = {k: round(statistics.median(v), 3) for k, v in per.items()}
     return {
         "prompts": len(ps),
         "max_tokens": max_tokens,
@@ -443,6 +445,7 @@ def main() -> int:
     ap.add_argument("--cli", type=int, default=2, help="generate: prompts also run as `bpcompile generate` commands")
     ap.add_argument("--concurrency", type=int, default=8, help="triton: requests in flight")
     ap.add_argument("--reference", type=Path, help="triton: a `generate --json-out` file to compare with")
+    ap.add_argument("--hf", type=Path, default=MODELS, help="speed: the transformers pair (verifier/, draft/)")
     ap.add_argument("--json-out", type=Path, help="also write the result here (generate: with every output)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -458,7 +461,7 @@ def main() -> int:
                 ok &= res["tp1"] <= TOL and res["tp2"] <= TOL
         return 0 if ok else 1
     if a.what == "speed":
-        res = speed(a.engine, a.prompts, a.max_tokens, a.repeats, a.pause)
+        res = speed(a.engine, a.prompts, a.max_tokens, a.repeats, a.pause, a.hf)
     elif a.what == "speculation":
         res = speculation(a.engine, a.max_tokens)
     elif a.what == "generate":
