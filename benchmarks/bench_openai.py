@@ -81,6 +81,7 @@ def _rss() -> int:
 
 
 def load(a) -> int:
+    import http.client
     import json
     import socket
     import time
@@ -129,6 +130,14 @@ def load(a) -> int:
                 client.models.list()
                 models_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
+                body = {"model": front.model_id, "prompt": "Hello", "max_tokens": 1, "temperature": 0, "stream": True}
+                conn = http.client.HTTPConnection(host, port, timeout=600)
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                # the server has answered (status and headers) while the request waits for a batch place
+                stream_status = conn.getresponse().status
+                stream_headers_s = time.perf_counter() - t1
+                conn.close()
+                t1 = time.perf_counter()
                 client.completions.create(model=front.model_id, prompt="Hello", max_tokens=1, temperature=0)
                 completion_s = time.perf_counter() - t1
                 done = [f.result() for f in running]
@@ -143,6 +152,8 @@ def load(a) -> int:
         "max_tokens": a.max_tokens,
         "completed": sum(r == "length" or r == "stop" for r, _ in done),
         "new_models_request_s": round(models_s, 3),
+        "new_stream_answered_s": round(stream_headers_s, 3),
+        "new_stream_status": stream_status,
         "new_completion_s": round(completion_s, 3),
         "stream_latency_max_s": round(max(t for _, t in done), 2),
         "wall_s": round(wall, 2),
