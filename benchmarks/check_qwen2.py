@@ -17,8 +17,11 @@ difference exceeds 1e-4 or any output differs. generate: the same 30 prompts one
 generate`'s code (--raw for code, chat template for requests), speculation vs --no-speculation, and --cli of them
 through the command itself. triton: the same prompts as text through tritonserver's ensemble, served with the
 engine's tree and verifier-only (--reference: also equal to a `generate` run's outputs). speed: decode tokens/s at
-batch 1 (float32), verifier-only, speculation and transformers' assisted generation with the same two models,
-interleaved (rotated order per repeat, --pause between runs), median over --repeats.
+batch 1 (float32, --threads), verifier-only and speculation against transformers' assisted generation with the same
+two models and its plain greedy generate; each repeat runs our rows in one process and transformers' in another
+(one side's weights in memory at a time, the first side alternating), rows rotated within a process, --pause
+between runs; per row and per ratio (taken per repeat) the median, min and max over --repeats, and each process's
+peak resident memory.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def prompt_texts(tokenizer_dir: Path) -> list[str]:
     """The 30 prompts as text: code sent raw, chat requests through the chat template."""
     from bpcompile.runtime.text import chat_prompt
 
-    return list(CODE) + [chat_prompt(tokenizer_dir, c) for c in CHAT]
+    return list(CODE) + [chat_prompt(tokenizer_dir, c) or c for c in CHAT]  # raw where there is no template
 
 
 def prompts(tokenizer_dir: Path) -> list[list[int]]:
@@ -358,80 +361,163 @@ def via_triton(engine: Path, max_tokens: int, concurrency: int, reference: Path 
     return result
 
 
-def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float, hf: Path = MODELS) -> dict:
-    """Batch-1 decode tokens/s of three rows, interleaved: each repeat runs every row on every prompt, the rows in a
-    rotated order (a drift of the machine's speed hits all rows alike), `pause` seconds between runs. A run's time is
-    its whole generate call (prompt included) over the tokens it generated; the rows decode the same prompts to the
-    same length (no end id: every run decodes max_tokens). Per row: the median over repeats of that repeat's
-    tokens/s, and every repeat's figure."""
+def _memory() -> dict[str, float]:
+    """This process's resident set now (VmRSS) and at its peak so far (VmHWM), in MB: torch's allocations are
+    invisible to tracemalloc, the kernel's counts are not."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def speed_side(cfg: dict) -> dict:
+    """One side of a `speed` repeat, in a process of its own so that only that side's weights are in memory: "ours"
+    (verifier-only and speculation over one copy of the verifier) or "transformers" (assisted generation and plain
+    greedy `generate`, float32, the same checkpoints). After a warm-up run of each row (first-call allocations and
+    the one-row layout's timing stay out), each row runs every prompt, the rows in an order rotated by the repeat,
+    `pause` seconds before each run. A run's time is its whole generate call (prompt included); every run decodes
+    max_tokens (no end id)."""
+    torch.set_num_threads(cfg["threads"])
+    ps, max_tokens, t0 = cfg["prompts"], cfg["max_tokens"], time.perf_counter()
+    if cfg["side"] == "ours":
+        from bpcompile.runtime.generator import SamplingParams
+        from bpcompile.runtime.model import cpu_layout
+
+        spec, plain = generators(Path(cfg["engine"]))
+        params = SamplingParams(max_tokens=max_tokens)
+        ours = lambda gen: lambda p: len(gen.generate([p], params)[0][0])  # noqa: E731
+        rows = {"verifier only": ours(plain), "speculation": ours(spec)}
+        info = {"cpu_weights": cpu_layout(spec.verifier), "tree": spec.tree.kind}
+    else:
+        import transformers
+
+        load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # noqa: E731
+        hf_v, hf_d = load(Path(cfg["hf"]) / "verifier"), load(Path(cfg["hf"]) / "draft")
+
+        def hf(**kw):
+            def run(p):
+                with torch.no_grad():
+                    out = hf_v.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_tokens,
+                                        min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=cfg["pad"], **kw)  # fmt: skip
+                return out.shape[1] - len(p)
+
+            return run
+
+        rows = {"transformers assisted": hf(assistant_model=hf_d), "transformers greedy": hf()}
+        info = {"transformers": transformers.__version__}
+    load_s, loaded = time.perf_counter() - t0, _memory()
+    for f in rows.values():
+        f(ps[0][:16])
+    names = list(rows)
+    k = cfg["repeat"] % len(names)
+    order = names[k:] + names[:k]
+    n, t = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
+    for p in ps:
+        for name in order:
+            time.sleep(cfg["pause"])
+            t0 = time.perf_counter()
+            n[name] += rows[name](p)
+            t[name] += time.perf_counter() - t0
+    short = [x for x in names if n[x] != len(ps) * max_tokens]
+    if short:  # tokens/s over runs of unequal length would not compare
+        raise SystemExit(
+            f"speed: {', '.join(short)} generated {[n[x] for x in short]} tokens, not {len(ps) * max_tokens}"
+        )
+    return {
+        "side": cfg["side"],
+        "order": order,
+        "threads": torch.get_num_threads(),
+        "load_s": round(load_s, 1),
+        "rss_after_load_mb": loaded["VmRSS"],
+        "peak_rss_mb": _memory()["VmHWM"],
+        "rows": {x: {"tokens": n[x], "seconds": round(t[x], 3), "tokens_per_s": round(n[x] / t[x], 3)} for x in names},
+        **info,
+    }
+
+
+def _stats(xs: list[float]) -> dict:
     import statistics
 
-    import transformers
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
-    from bpcompile.runtime.generator import SamplingParams
-    from bpcompile.runtime.model import cpu_layout
+
+BARS = {"speculation_vs_verifier": 1.3, "speculation_vs_assisted": 1.2}
+
+
+def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float, threads: int, hf: Path = MODELS) -> dict:
+    """Batch-1 decode tokens/s of four rows: ours (verifier-only, speculation) and transformers' (assisted
+    generation with the same two checkpoints, plain greedy generate). Each repeat runs each side in a process of its
+    own (`speed_side`: one side's weights in memory at a time, the same threads), the side that goes first
+    alternating per repeat. Per row: every repeat's tokens/s, their median, min and max; the ratios are taken per
+    repeat (speculation / verifier-only within one process, speculation / assisted and verifier-only / transformers
+    greedy between the repeat's two processes) and summarized alike; each process's resident set after loading and
+    at its peak."""
     from bpcompile.runtime.text import end_ids
 
     ps = prompts(engine / "tokenizer")
     ps = [ps[i] for i in spread(len(ps), n)]
-    spec, plain = generators(engine)
-    hf_v = transformers.AutoModelForCausalLM.from_pretrained(hf / "verifier", dtype=torch.float32).eval()
-    hf_d = transformers.AutoModelForCausalLM.from_pretrained(hf / "draft", dtype=torch.float32).eval()
-    params = SamplingParams(max_tokens=max_tokens)
-    pad = end_ids(engine / "tokenizer")[0]  # batch 1 pads nothing; generate() asks for an id all the same
-
-    def ours(gen, p):
-        ((out, _),) = gen.generate([p], params)
-        return len(out)
-
-    def assisted(p):
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = hf_v.generate(ids, assistant_model=hf_d, do_sample=False, max_new_tokens=max_tokens,
-                                min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=pad)  # fmt: skip
-        return out.shape[1] - len(p)
-
-    rows = {
-        "verifier only": lambda p: ours(plain, p),
-        "speculation": lambda p: ours(spec, p),
-        "transformers assisted": assisted,
-    }
-    for f in rows.values():  # warm-up: first-call allocations and the one-row layout's timing stay out
-        f(ps[0][:16])
-    per = {k: [] for k in rows}
-    names = list(rows)
+    base = {"engine": str(engine), "hf": str(hf), "prompts": ps, "max_tokens": max_tokens, "pause": pause,
+            "threads": threads, "pad": end_ids(engine / "tokenizer")[0]}  # fmt: skip
+    load = [round(x, 1) for x in os.getloadavg()]
+    runs = []
     for r in range(repeats):
-        t, k = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-        for p in ps:
-            for name in names[r % 3 :] + names[: r % 3]:
-                time.sleep(pause)
-                t0 = time.perf_counter()
-                k[name] += rows[name](p)
-                t[name] += time.perf_counter() - t0
-        for name in names:
-            per[name].append(round(k[name] / t[name], 3))
-        print(json.dumps({"repeat": r, **{x: per[x][-1] for x in names}}), file=sys.stderr, flush=True)
-    rate = {k: round(statistics.median(v), 3) for k, v in per.items()}
+        got = {}
+        for side in ("ours", "transformers")[:: 1 if r % 2 == 0 else -1]:
+            cmd = [sys.executable, __file__, "speed-side"]
+            proc = subprocess.run(cmd, input=json.dumps({**base, "side": side, "repeat": r}), stdout=subprocess.PIPE,
+                                  text=True)  # fmt: skip
+            if proc.returncode:
+                raise SystemExit(f"speed: the {side} process of repeat {r} failed (exit {proc.returncode})")
+            got[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append(got)
+        rates = {x: v["tokens_per_s"] for s in got.values() for x, v in s["rows"].items()}
+        print(json.dumps({"repeat": r, "first": next(iter(got)), **rates}), file=sys.stderr, flush=True)
+    side_of = {"verifier only": "ours", "speculation": "ours", "transformers assisted": "transformers",
+               "transformers greedy": "transformers"}  # fmt: skip
+    rate = lambda g, row: g[side_of[row]]["rows"][row]["tokens_per_s"]  # noqa: E731
+    per = {x: [rate(g, x) for g in runs] for x in side_of}
+    ratios = {
+        "speculation_vs_verifier": [rate(g, "speculation") / rate(g, "verifier only") for g in runs],
+        "speculation_vs_assisted": [rate(g, "speculation") / rate(g, "transformers assisted") for g in runs],
+        "verifier_vs_transformers_greedy": [rate(g, "verifier only") / rate(g, "transformers greedy") for g in runs],
+    }
+    ratio = {k: _stats(v) for k, v in ratios.items()}
     return {
         "prompts": len(ps),
         "max_tokens": max_tokens,
         "repeats": repeats,
         "pause_s": pause,
-        "tokens_per_s": rate,
+        "tokens_per_s": {x: _stats(v) for x, v in per.items()},
         "tokens_per_s_each_repeat": per,
-        "speculation_vs_verifier": round(rate["speculation"] / rate["verifier only"], 2),
-        "speculation_vs_assisted": round(rate["speculation"] / rate["transformers assisted"], 2),
-        "threads": torch.get_num_threads(),
+        "ratios": ratio,
+        "ratios_each_repeat": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
+        "bars": {
+            k: {"need": b, "median_met": ratio[k]["median"] >= b, "every_repeat_met": ratio[k]["min"] >= b}
+            for k, b in BARS.items()
+        },  # fmt: skip
+        "first_side_each_repeat": [next(iter(g)) for g in runs],
+        "memory_mb": {
+            s: {"after_load": [g[s]["rss_after_load_mb"] for g in runs], "peak": [g[s]["peak_rss_mb"] for g in runs]}
+            for s in ("ours", "transformers")
+        },
+        "load_s": {s: [g[s]["load_s"] for g in runs] for s in ("ours", "transformers")},
+        "threads": sorted({g[s]["threads"] for g in runs for s in g}),
         "dtype": "float32",
-        "cpu_weights": cpu_layout(spec.verifier),
-        "tree": spec.tree.kind,
-        "load_average": [round(x, 1) for x in __import__("os").getloadavg()],
+        "cpu_weights": runs[0]["ours"]["cpu_weights"],
+        "tree": runs[0]["ours"]["tree"],
+        "transformers": runs[0]["transformers"]["transformers"],
+        "load_average": {"before": load, "after": [round(x, 1) for x in os.getloadavg()]},
     }
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "rank":
         _rank(int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "speed-side":  # JSON in on stdin, JSON out on stdout's last line
+        print(json.dumps(speed_side(json.loads(sys.stdin.read()))), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["parity", "speculation", "generate", "triton", "speed"])
@@ -449,9 +535,16 @@ def main() -> int:
     ap.add_argument("--json-out", type=Path, help="also write the result here (generate: with every output)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    for which in ("verifier", "draft"):
-        if not (MODELS / which / "model.safetensors").is_file():
-            raise SystemExit(f"{MODELS / which} is missing: run `.venv/bin/python tools/get_qwen.py`")
+    pair = a.hf if a.what == "speed" else MODELS
+    bad = [f"{pair / w} is missing: run `.venv/bin/python tools/get_qwen.py`" for w in ("verifier", "draft")
+           if not (pair / w / "model.safetensors").is_file()]  # fmt: skip
+    if a.what != "parity" and not (a.engine / "engine.json").is_file():
+        bad.append(f"--engine {a.engine}: no engine version there (no engine.json); build recipes/qwen2.5-coder.yaml")
+    if a.repeats < 1 or a.prompts < 0 or a.max_tokens < 1:
+        bad.append("--repeats and --max-tokens must be >= 1, --prompts >= 0")
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
+        return 2
     if a.what == "parity":
         ok = True
         with tempfile.TemporaryDirectory(dir=ROOT / ".cache") as work:
@@ -461,7 +554,7 @@ def main() -> int:
                 ok &= res["tp1"] <= TOL and res["tp2"] <= TOL
         return 0 if ok else 1
     if a.what == "speed":
-        res = speed(a.engine, a.prompts, a.max_tokens, a.repeats, a.pause, a.hf)
+        res = speed(a.engine, a.prompts, a.max_tokens, a.repeats, a.pause, a.threads, a.hf)
     elif a.what == "speculation":
         res = speculation(a.engine, a.max_tokens)
     elif a.what == "generate":
