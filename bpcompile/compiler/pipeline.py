@@ -356,9 +356,20 @@ def _calibrate_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
 
 
 def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
-    k = loaded.recipe.kernels
+    k, target = loaded.recipe.kernels, loaded.recipe.target
     if not k.compile:
         rep.skip("compile kernels", "kernels.compile is false")
+        return
+    # The cubins are for the TensorRT plugin alone: the native runtime JIT-compiles its kernels on the device it
+    # runs on (Triton's JIT specializes on run-time argument values, so a build cannot write the entries its cache
+    # would look up) and does so when the engine loads; TensorRT-LLM runs its own attention kernels.
+    if target != "tensorrt":
+        why = {
+            "native": "target native: the native runtime compiles its kernels on the GPU it runs on, when the "
+            "engine loads; the sm_90a cubins are built for target tensorrt, whose plugin wraps them",
+            "tensorrt-llm": "target tensorrt-llm: TensorRT-LLM runs its own attention kernels",
+        }.get(target, f"target {target}: only target tensorrt's plugin loads the cubins")
+        rep.skip("compile kernels", why)
         return
     try:
         from bpcompile.compiler.aot import compile_engine_kernels
@@ -366,11 +377,10 @@ def _kernels_stage(loaded: LoadedRecipe, stage: Path, rep: Reporter):
         rep.skip("compile kernels", f"not available in this version ({e})")
         return
     rep.run("compile kernels", lambda: compile_engine_kernels(stage, loaded.recipe, stage / "kernels"))
-    # The TensorRT plugin library wraps those kernels; it is needed (and required) only for the tensorrt
-    # target (the tensorrt-llm target refuses the cache it implements), and built wherever TensorRT exists.
+    # the TensorRT plugin library wraps those kernels (required: the engine cannot run without it)
     from bpcompile.compiler.plugin import build_trt_plugin
 
-    res = build_trt_plugin(stage / "kernels", stage / "trt_plugin", required=loaded.recipe.target == "tensorrt")
+    res = build_trt_plugin(stage / "kernels", stage / "trt_plugin", required=True)
     if res.get("status") == "skipped":
         rep.skip("tensorrt plugin", res["reason"])
     else:

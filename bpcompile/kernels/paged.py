@@ -82,7 +82,16 @@ def _qmax(bits):
     return tl.where(bits >= 2, (1 << tl.maximum(bits - 1, 0)) - 1, 0).to(tl.float32)
 
 
-@triton.jit
+# Triton's JIT compiles a kernel per specialization of its run-time arguments too (an int equal to 1 becomes a
+# constant, an int or pointer divisible by 16 gets an alignment hint), so the arguments whose values change from
+# call to call (token and row counts, the layer, the query rows, the split size, table widths, index tensors that
+# may be views at any offset) are left unspecialized: the kernels a process compiles are then fixed by the
+# constexprs alone, which `warm_up` enumerates when an engine loads on CUDA. Strides and the K/V/query/pool
+# pointers keep their hints: they are multiples of the head size (a power of two >= 32) in every call.
+_INDEX = ["slots", "block_tables", "context_lens", "tree_mask", "num_tree", "num_q", "positions", "seq_row"]
+
+
+@triton.jit(do_not_specialize=["N", "layer"], do_not_specialize_on_alignment=_INDEX)
 def _quantize_append_kernel(
     K,
     V,
@@ -438,7 +447,10 @@ def _quant_scores(
     return qk
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["nrows", "stride_bt", "layer", "G", "W", "chunk", "stride_tp"],
+    do_not_specialize_on_alignment=_INDEX + ["q_pos", "tree_pos"],
+)
 def _paged_attention_kernel(
     Q,
     stride_qb,
@@ -714,7 +726,7 @@ def _paged_attention_kernel(
         tl.store(o_ptr + HALF, (acc_hi * inv[:, None]).to(Out.dtype.element_ty), mask=row_in[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS", "nrows", "G"])
 def _combine_splits_kernel(
     part_acc, part_ml, Out, stride_ob, stride_og, stride_oh, NS, nrows, G, H, D: tl.constexpr, BLOCK_R: tl.constexpr
 ):
@@ -1062,3 +1074,25 @@ def move_slots(store, src: torch.Tensor, dst: torch.Tensor) -> None:
         grid = (n, triton.cdiv(U, block_u))
         for a, b_, ss, ds in ((raw, buf, 1, 0), (buf, raw, 0, 1)):
             _launch(_copy_rows_kernel, grid, a, b_, src, dst, U, row, PAGE, ss, ds, BLOCK_U=block_u, BLOCK_B=_pow2(row))
+
+
+def warm_up(store, heads: int, dtype: torch.dtype, recent=None) -> None:
+    """Launch every kernel specialization a runtime over `store` can use, once each, on the null page (page 0,
+    which only padding writes): quantize-append; paged attention with decode-sized (G x R <= 16 rows) and
+    tree-sized (64-row) query blocks, each without and with split-K (then the merge), with and without the
+    exact entries where the plan has them (`recent`: its FP16 copies, a `runtime.paged_kv.RecentKV`); the move.
+    On CUDA this is what compiles them (Triton's JIT, on first launch), so an engine that calls it when it loads
+    has no request waiting on a compile. heads: the model's query heads; dtype: its activations'."""
+    dev, KVH, D = store.unit_precision.device, store.num_kv_heads, store.head_size
+    R = heads // KVH
+    z = lambda *s, dt=torch.int32: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
+    kv = torch.zeros(1, KVH, D, dtype=dtype, device=dev)
+    quantize_append(store, 0, z(1, dt=torch.int64), kv, kv, z(1, dt=torch.int64))
+    # 4 tiles of the widest block_n: two context splits on either device (the entry point picks block_n)
+    tables = z(1, triton.cdiv(4 * 64, store.page_size))
+    for G in sorted({1, 16 // R + 1}):
+        q = torch.zeros(1, G, heads, D, dtype=dtype, device=dev)
+        for exact in [None] + ([(recent, z(1), z(1, G), z(1, G))] if recent is not None else []):
+            for splits in (1, 2):
+                paged_attention(q, store, 0, tables, z(1), None, z(1) + G, D**-0.5, num_splits=splits, exact=exact)
+    move_slots(store, z(1, dt=torch.int64), z(1, dt=torch.int64))

@@ -4,6 +4,8 @@ trees, sampling or stop conditions."""
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Optional
 
 import torch
@@ -53,6 +55,20 @@ class Executor:
             )
             and cpu_decode.available()
         )
+        if kv.kern is not None and torch.device(device).type == "cuda":
+            self.warm_kernels()
+
+    def warm_kernels(self) -> float:
+        """Compile (Triton's JIT, by launching each once) every kernel specialization this executor's cache can
+        use, so that no request waits on a compile: called when the engine loads on CUDA, where nothing was
+        compiled ahead of time (the kernels specialize on the GPU they run on). Returns the seconds it took."""
+        t = time.perf_counter()
+        self.kv.kern.warm_up(self.kv.store, self.model.cfg.num_heads, self.model.dtype, self.kv.recent)
+        if self.kv.store.unit_precision.is_cuda:
+            torch.cuda.synchronize(self.kv.store.unit_precision.device)
+        took = time.perf_counter() - t
+        print(f"bpcompile: {self.role} kernels compiled in {took:.1f}s", file=sys.stderr)
+        return took
 
     def _call(self, name: str, *args):
         if self.peers is not None:
