@@ -114,10 +114,91 @@ def test_static_step_through_the_triton_kernels(tmp_path):
     assert rep["ok"] and on and all(x["kernels"] and x["static_step"] and x["identical"] for x in on), rep
 
 
+@needs_tiny
+@pytest.mark.timeout(600)
+def test_static_step_with_exact_entries_through_the_triton_kernels():
+    """As above for a plan with exact entries (the verifier's: a sink and a recent window; the draft's: a window):
+    the copies are written with fixed shapes and read by the kernels from the static buffers; tokens equal the
+    kernels' own eager step's, and the exact copies of both runs end bitwise equal (a write the static step drops
+    or misplaces, padding's included, shows there even where the tokens do not move)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, BPCOMPILE_KERNELS="triton", TRITON_INTERPRET="1")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_static_step.py"
+    cmd = [sys.executable, str(script), "--pair", "tiny", "--kv", "int4-exact", "--prompts", "2", "--tokens", "8"]
+    r = subprocess.run(cmd + ["--batch", "2"], capture_output=True, text=True, env=env, timeout=540)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    on = [x for x in rep["runs"] if x["cuda_graphs"] == "on"]
+    assert rep["ok"] and on and all(x["kernels"] and x["static_step"] and x["identical"] for x in on), rep
+    assert all(x["exact_copies_equal"] for x in on), rep
+
+
+def exact_plan(m, fmt: str, sink: int, window: int):
+    from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+
+    c = m.cfg
+    plan = KVPlan.uniform(fmt, c.num_layers, c.num_kv_heads, c.head_size)
+    plan.sink_tokens, plan.recent_window = sink, window
+    return kv_store_factory(plan)
+
+
+@needs_tiny
+def test_static_step_with_exact_entries_through_the_pytorch_reference(tiny):
+    """Without the kernels the static step reads a plan's exact entries through the reference attention (no
+    dense view): INT4 with a sink and a window, 12 prompts x 32 tokens at batch 2, the executor's own step's
+    tokens. The plan's copies matter here: the same static run without them differs on several prompts."""
+    kw = dict(kv_store_factory=exact_plan(tiny[0], "int4-naive", 4, 8))
+    kw["draft_kv_store_factory"] = exact_plan(tiny[1], "int4-naive", 0, 3)
+    ref, _ = generate(tiny, tiny[2][:12], 2, "off", **kw)
+    out, gen = generate(tiny, tiny[2][:12], 2, "on", **kw)
+    assert gen.v_exec.static is not None and gen.vkv.dense is None and gen.vkv.kern is None
+    assert gen.vkv.recent is not None and gen.dkv.recent is not None
+    assert out == ref
+    kw["kv_store_factory"] = exact_plan(tiny[0], "int4-naive", 0, 0)
+    assert generate(tiny, tiny[2][:12], 2, "on", **kw)[0] != ref
+
+
+def test_fixed_write_of_exact_copies_equals_the_selecting_write():
+    """RecentKV.write_fixed (the static step's: fixed shapes, no host sync) leaves the copies as `write` does:
+    real entries land at their columns (sink and ring), padding rows (index >= rows) change nothing, whether they
+    come before, between or after the real entries, or are all the call has."""
+    from bpcompile.runtime.kvcache import FloatKVStore
+    from bpcompile.runtime.paged_kv import RecentKV
+
+    store = FloatKVStore(2, 2, 8, 4, 16, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    pad = 3  # RecentKV.rows: the padding marker
+    calls = [
+        ([pad, 0, 0, pad, 2, 2, 2, pad], [0, 5, 6, 0, 0, 2, 3, 0]),  # padding first, between, last (row 2's place)
+        ([1, 1, 1, 0], [20, 21, 22, 9]),  # ring columns wrap (sink 2 + ring 7), no padding
+        ([pad, pad], [0, 4]),  # padding only
+        ([0, pad, pad, 1], [3, 0, 0, 40]),
+    ]
+    a, b = (RecentKV(store, pad, 2, 4, 3, "cpu") for _ in range(2))
+    for x in (a, b):
+        for t in (x.k, x.v):
+            t.copy_(torch.randn(t.shape, generator=g).half())
+    b.k.copy_(a.k), b.v.copy_(a.v)
+    for rows, idx in calls:
+        rows, idx = torch.tensor(rows), torch.tensor(idx)
+        k, v = torch.randn(2, len(rows), 2, 8, generator=g)
+        for layer in (0, 1):
+            before = a.k.clone()
+            a.write(layer, rows, idx, k, v)
+            b.write_fixed(layer, rows, idx, k, v)
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+            assert not torch.equal(a.k, before) or bool((rows >= pad).all())  # the call wrote something real
+    assert a.nbytes() == 2 * 2 * pad * 2 * (2 + 4 + 3) * 8 * 2  # no scratch row: the rows of record only
+
+
 def test_the_switch_and_its_refusals(tmp_path):
     """auto is off on CPU (the executor's step attends over real lengths: faster there); on runs the static step;
-    a value outside auto / on / off, and on where it cannot run (a plan with exact entries read through a dense
-    copy), are UserErrors naming runtime.cuda_graphs; the recipe key and the flag are typed."""
+    a value outside auto / on / off, and on where it cannot run (the onnxruntime executor), are UserErrors naming
+    runtime.cuda_graphs; a plan with exact entries runs it; the recipe key and the flag are typed."""
     from bpcompile.core.engine import Runtime
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 
@@ -131,11 +212,12 @@ def test_the_switch_and_its_refusals(tmp_path):
         Generator(v, None, None, cuda_graphs="sometimes")
     assert e.value.key == "runtime.cuda_graphs"
     plan = KVPlan.uniform("int8", 1, 1, 16)
-    plan.recent_window = 4
-    with pytest.raises(UserError, match="exact") as e:
-        Generator(v, None, None, cuda_graphs="on", kv_store_factory=kv_store_factory(plan))
-    assert e.value.key == "runtime.cuda_graphs"
+    plan.recent_window = 4  # exact entries: static on CPU too (the reference attention reads the copies)
+    assert Generator(v, None, None, cuda_graphs="on", kv_store_factory=kv_store_factory(plan)).v_exec.static
     assert Generator(v, None, None, kv_store_factory=kv_store_factory(plan)).v_exec.static is None  # auto: off
+    with pytest.raises(UserError, match="onnxruntime executor runs its exported graphs") as e:
+        Generator(v, None, None, cuda_graphs="on", executor="onnxruntime", graphs=tmp_path)
+    assert e.value.key == "runtime.cuda_graphs"
     assert Runtime().cuda_graphs == "auto"
     with pytest.raises(ValueError):
         Runtime(cuda_graphs="always")

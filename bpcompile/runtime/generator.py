@@ -161,7 +161,7 @@ class Generator:
             exact = plan is not None and plan.has_exact
             static = wants_static(cuda_graphs, self.device)
             if static:
-                why = static_support(executor, 1, exact, kernels_for(store, self.device) is not None)
+                why = static_support(executor, 1)
                 if why is not None and cuda_graphs == "on":
                     raise UserError(f"runtime.cuda_graphs on: {why}; set it to auto or off", key="runtime.cuda_graphs")
                 static = why is None
@@ -172,7 +172,7 @@ class Generator:
                 from bpcompile.runtime.onnx_executor import OnnxExecutor
 
                 return OnnxExecutor(model, PagedKV(store, self.device), self.device, self.g_max, Path(graphs) / role)
-            # exact entries are read on the DenseKV path (the kernels do not read them: kernels_for says so)
+            # without the kernels, exact entries are read on the DenseKV path (the static step: its reference)
             dense = (
                 DenseKV(store, max_batch_size, max_seq_len + self.g_max + 1, model.dtype, self.device)
                 if (dense_kv or exact) and kernels_for(store, self.device) is None and not static
@@ -272,7 +272,7 @@ class Generator:
             )
         cuda_graphs = cuda_graphs or os.environ.get(CUDA_GRAPHS) or cfg.runtime.cuda_graphs
         if tp > 1 and cuda_graphs != "off":
-            why = static_support("torch", tp, False, False)
+            why = static_support("torch", tp)
             if cuda_graphs == "on":
                 raise UserError(f"runtime.cuda_graphs on: {why}; set it to auto or off", key="runtime.cuda_graphs")
             cuda_graphs = "off"

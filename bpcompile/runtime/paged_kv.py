@@ -130,6 +130,20 @@ class RecentKV:
         self.k[layer, rows, :, col] = k.to(torch.float16)
         self.v[layer, rows, :, col] = v.to(torch.float16)
 
+    def write_fixed(self, layer: int, rows: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` with fixed shapes and no host sync (a CUDA graph can hold it), for calls whose real entries
+        have distinct columns in each row (at most `ring` consecutive entries: a step after prefill writes at most
+        lookahead). Rows >= self.rows (padding) still change nothing: every padding entry writes what the call's
+        first real entry writes, at its place (duplicate indices of index_put carrying one value), or, when no
+        entry is real, puts back what row 0's column of entry 0 holds."""
+        n = torch.arange(rows.shape[0], device=rows.device)
+        real = rows < self.rows
+        src = torch.where(real, n, real.int().argmax())  # argmax: the first real entry (0 when none)
+        rows, col, real = rows[src].clamp(max=self.rows - 1), self.column(idx[src]), real[src, None, None]
+        for store, x in ((self.k, k), (self.v, v)):
+            old = store[layer, rows, :, col]
+            store[layer, rows, :, col] = torch.where(real, x[src].to(torch.float16), old)
+
     def _targets(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple:
         """(rows, columns, keep mask or None) of a write. Every layer of a forward writes the same (rows, idx)
         tensors, so the last answer is kept for them: one computation per forward, not per layer."""
@@ -182,8 +196,6 @@ class PagedKV:
         self, store: KVStore, device="cpu", dense: Optional[DenseKV] = None, recent: Optional[RecentKV] = None
     ):
         self.kern = kernels_for(store, torch.device(device))
-        if recent is not None and dense is None and self.kern is None:
-            raise ValueError("exact entries (RecentKV) are read by the DenseKV attention path or the kernels")
         self.store, self.ps, self.recent = store, store.page_size, recent
         self.free = list(range(store.num_pages - 1, 0, -1))  # pop() hands out low page ids first
         self.tables: dict[str, list[int]] = {}
@@ -426,11 +438,13 @@ class PagedKV:
         dense_at: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         positions: Optional[torch.Tensor] = None,
         written: bool = False,
+        fixed: bool = False,
     ) -> None:
         """Quantize-and-append k, v [N, KV, D] at flat slots [N] (the kernel or the store's oracle); with a dense
         view, also put what the store now returns for those slots at dense_at = (rows [N], logical index [N]).
         Inside `batched_writes` the store's part waits for the end of the forward. written: inside it, the caller
-        has put the entries into a float store's dense view and the exact copies itself (the few-query kernel)."""
+        has put the entries into a float store's dense view and the exact copies itself (the few-query kernel).
+        fixed: the exact copies are written by `RecentKV.write_fixed` (the static step; no dense view)."""
         if self._pending is not None:
             self._pending.append((layer, k, v, slots, dense_at, positions))
             if written:
@@ -441,7 +455,7 @@ class PagedKV:
                 self.recent.write(layer, *dense_at, k, v)
             return
         assert not written, "written=True outside batched_writes"
-        self._write_now(layer, slots, k, v, dense_at, positions)
+        self._write_now(layer, slots, k, v, dense_at, positions, fixed=fixed)
 
     def _write_now(
         self,
@@ -452,6 +466,7 @@ class PagedKV:
         dense_at: Optional[tuple[torch.Tensor, torch.Tensor]],
         positions: Optional[torch.Tensor],
         recent: bool = True,
+        fixed: bool = False,
     ) -> None:
         if self.dense is None:
             write_kv(self.store, layer, slots, k, v, self.kern, positions)
@@ -461,7 +476,7 @@ class PagedKV:
         else:  # the store decodes what it just wrote (what a read of those slots would return)
             self.dense.write(layer, *dense_at, *self.store.write_read(layer, slots, k, v, positions))
         if recent and self.recent is not None:
-            self.recent.write(layer, *dense_at, k, v)
+            (self.recent.write_fixed if fixed else self.recent.write)(layer, *dense_at, k, v)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, dense_at: Optional[tuple] = None) -> None:
         """Copy stored entries src -> dst (flat slots) in every layer; dense_at = (rows, src index, dst index)."""
@@ -630,12 +645,36 @@ def paged_attention(q: torch.Tensor, store: KVStore, layer: int, batch: AttnBatc
             exact=batch.exact,
         )
     k, v, visible = batch.gather(store, layer, q)
+    if batch.exact is not None:
+        return _exact_reference(q, k, v, visible, layer, batch)
     kv = k.shape[1]
     if H != kv and not _HAS_GQA:
         k, v = k.repeat_interleave(H // kv, 1), v.repeat_interleave(H // kv, 1)
     extra = {"enable_gqa": True} if H != kv and _HAS_GQA else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], **extra)
     return out.transpose(1, 2)
+
+
+def _exact_reference(q, k, v, visible, layer: int, batch: AttnBatch) -> torch.Tensor:
+    """The reference attention over a plan's exact entries (batch.exact), as the kernel reads them: a visible
+    (query, key) pair whose key is a sink position or within the window of the query's position reads the key's
+    and value's FP16 copies, every other pair the stored entry. Fixed shapes and no host sync (the static step
+    runs it over its full-width block tables)."""
+    rec, rows, q_pos, tree_pos = batch.exact
+    N = visible.shape[2]
+    n = torch.arange(N, device=q.device)
+    j = n - batch.context_lens[:, None]  # [B, N] index into the tree region (< 0: context)
+    at = j.clamp(0, tree_pos.shape[1] - 1)
+    kpos = torch.where(j >= 0, tree_pos.gather(1, at).to(n.dtype), n)  # past the tree region: never visible
+    ex = exact_reads(q_pos, kpos, rec.sink, rec.window) & visible  # [B, T, N]
+    col = rec.column(n)[None, :]
+    ek = rec.k[layer, rows[:, None], :, col].transpose(1, 2).to(q.dtype)  # [B, KV, N, D]
+    ev = rec.v[layer, rows[:, None], :, col].transpose(1, 2).to(q.dtype)
+    rep = q.shape[2] // k.shape[1]
+    exr = ex.repeat_interleave(rep, dim=1)[:, None]
+    hidden = ~visible.repeat_interleave(rep, dim=1)[:, None]
+    # the stored entries where a pair does not read exact, the copies where it does: one softmax over N keys
+    return dense_attention(q, k, v, hidden | exr, exact=(ek, ev, hidden | ~exr))
 
 
 def dense_attention(

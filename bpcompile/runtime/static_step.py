@@ -14,9 +14,13 @@ context whose block table is all page 0 (the null page, which only padding write
 sequence write to the null page too and are hidden from every real query by its tree mask (and the attention
 reads a key beyond a sequence's context and tree region for no real query), as the executor's own padding does.
 
+A plan's exact entries (FP16 copies of the sink / recent window, `RecentKV`) are written with fixed shapes
+(`RecentKV.write_fixed`: every write slot writes, a padding one repeating the step's first real write) and read
+by the kernels, or by the reference attention, from per-bucket buffers: each sequence's row of copies, its query
+positions and its tree entries' positions. Nothing on the step's path waits for the device.
+
 What runs here: the paged attention (the Triton kernels where `kernels_for` picks them, else the PyTorch
-reference over a fixed-width gather), tensor parallelism 1, the torch executor, no exact entries (a plan's FP16
-sink / window copies are written with a data-dependent selection that a graph cannot hold). `static_support`
+reference over a fixed-width gather), tensor parallelism 1, the torch executor, any KV plan. `static_support`
 says why a configuration cannot have it.
 """
 
@@ -33,16 +37,12 @@ from bpcompile.runtime.paged_kv import AttnBatch, paged_attention
 MODES = ("auto", "on", "off")
 
 
-def static_support(executor: str, tp: int, exact: bool, kernels: bool) -> Optional[str]:
+def static_support(executor: str, tp: int) -> Optional[str]:
     """Why the static-buffer step cannot run for this configuration, or None."""
     if executor != "torch":
         return f"the {executor} executor runs its exported graphs"
     if tp > 1:
         return "tensor parallelism (tp > 1) runs the executor's own step on every rank"
-    if exact and not kernels:
-        return "a plan with exact (FP16 sink / window) entries is read through a dense copy on this device"
-    if exact:
-        return "a plan with exact (FP16 sink / window) entries writes its copies with a data-dependent selection"
     return None
 
 
@@ -77,6 +77,13 @@ class Bucket:
     mask: torch.Tensor  # [B, T, ceil(T / 32)] int32 packed
     feats: Optional[torch.Tensor] = None  # a feature draft's input features [B, T, hidden]
     rows: Optional[torch.Tensor] = None  # its one logits row per sequence [B]
+    # a plan's exact copies (RecentKV): where each write goes there (row, logical index) [B * T] (padding: row
+    # RecentKV.rows, which writes nothing), each sequence's row [B] (padding: 0, only read) and its tree
+    # entries' positions [B, tree width]
+    e_row: Optional[torch.Tensor] = None
+    e_idx: Optional[torch.Tensor] = None
+    seq_row: Optional[torch.Tensor] = None
+    tree_pos: Optional[torch.Tensor] = None
     graph: Optional[object] = None
     outputs: Optional[tuple] = None
     replays: int = field(default=0)
@@ -119,6 +126,9 @@ class StaticStep:
                 z(Bb, T, hidden, dt=self.ex.model.dtype) if feats else None,
                 z(Bb) if rows else None,
             )
+            if self.kv.recent is not None:
+                bk.e_row, bk.e_idx, bk.seq_row = z(Bb * T), z(Bb * T), z(Bb)
+                bk.tree_pos = z(Bb, max(T, self.ex.lookahead), dt=torch.int32)
             self._pad(bk, 0)
             self.buckets[key] = bk
         return bk
@@ -136,6 +146,11 @@ class StaticStep:
             bk.feats[B:] = 0
         if bk.rows is not None:
             bk.rows[B:] = 0
+        if bk.e_row is not None:
+            bk.e_row.view(bk.B, bk.T)[B:] = self.kv.recent.rows
+            bk.e_idx.view(bk.B, bk.T)[B:] = 0
+            bk.seq_row[B:] = 0
+            bk.tree_pos[B:] = 0
 
     def _fill(self, bk, reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows) -> None:
         """Copy one step's inputs into the bucket (host lists -> one tensor each -> copy_ into the buffers)."""
@@ -163,7 +178,32 @@ class StaticStep:
             bk.feats[:B].copy_(feats[:, :T].to(dev, bk.feats.dtype))
         if bk.rows is not None:
             bk.rows[:B].copy_(torch.tensor(logit_rows))
+        if bk.e_row is not None:
+            self._fill_exact(bk, reqs, positions, writes, ctx, tree_lens)
         self._pad(bk, B)
+
+    def _fill_exact(self, bk, reqs, positions, writes, ctx, tree_lens) -> None:
+        """The exact copies' buffers: as the executor's `_kernel_exact` makes them, at the bucket's fixed width. A
+        tree entry sits at its token's position when this step writes it, else at its logical index."""
+        rec, T, B = self.kv.recent, bk.T, len(reqs)
+        rows = [self.kv.rows[r.id] for r in reqs]
+        width = bk.tree_pos.shape[1]
+        tree_pos = []
+        for w, p, c, t in zip(writes, positions, ctx, tree_lens):
+            late = [i for i in w if i >= rec.sink]
+            if t > width or (late and max(late) - min(late) >= rec.ring):
+                raise RuntimeError(f"a step of tree {t} writing {w}: beyond the static step's exact copies")
+            tp = [c + j for j in range(width)]
+            for i, x in zip(w, p):
+                if c <= i < c + t:
+                    tp[i - c] = x
+            tree_pos.append(tp)
+        bk.e_row.view(bk.B, T)[:B].copy_(
+            torch.tensor([[r] * len(w) + [rec.rows] * (T - len(w)) for r, w in zip(rows, writes)])
+        )
+        bk.e_idx.view(bk.B, T)[:B].copy_(torch.tensor([w + [0] * (T - len(w)) for w in writes]))
+        bk.seq_row[:B].copy_(torch.tensor(rows))
+        bk.tree_pos[:B].copy_(torch.tensor(tree_pos, dtype=torch.int32))
 
     # ------------------------------------------------------------------------------------------ the step
 
@@ -177,9 +217,14 @@ class StaticStep:
             slots = bk.tables.gather(1, (n // kv.ps).expand(B, N)).long() * kv.ps + n % kv.ps
             batch._plan = (slots, batch.visible(T, N))
         flat, flat_pos = bk.flat, bk.pos.reshape(-1)
+        at = None
+        if kv.recent is not None:  # the kernels (or the reference) read the copies; writes of fixed shape
+            batch.exact = (kv.recent, bk.seq_row, bk.pos, bk.tree_pos)
+            at = (bk.e_row, bk.e_idx)
 
         def attend(layer, q, k, v):
-            kv.write(layer, flat, k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]), positions=flat_pos)
+            k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
+            kv.write(layer, flat, k, v, at, positions=flat_pos, fixed=True)
             return paged_attention(q, kv.store, layer, batch, kv.kern)
 
         model = ex.model
