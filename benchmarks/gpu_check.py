@@ -20,8 +20,7 @@
 4. cuda_graphs: the pair's steps after prefill from static per-bucket buffers (runtime.cuda_graphs on:
    captured CUDA graphs on CUDA, the same static step eagerly on CPU) against the engine's own step (off): greedy
    tokens (speculation on; divergences with their top-2 gap) and decode tokens/s at batch 1 and 8, the graphs
-   captured. Over the engine's KV plan, or an FP16 cache where the plan has exact entries (the static step does
-   not write their copies; the report says which).
+   captured. Over the engine's KV plan (exact entries included: the static step writes and reads their copies).
 
 Exit 0 when every kernel check passes and every divergence is within --tie-ulps bf16 ulps of the top logit
 (rounding decides a near tie); 1 otherwise; 2 for bad arguments (no CUDA device for --device cuda, ...).
@@ -525,15 +524,9 @@ def check_graphs(engine: Path, dev, dtype, tree, prompts, n_prompts: int, n: int
     """runtime.cuda_graphs on (the static-buffer step: captured graphs on CUDA, eager on CPU) against off (the
     executor's own step): greedy tokens with the engine's tree, then decode tokens/s at batch 1 and 8, each after
     an untimed warm-up at that batch (on CUDA the first step of a bucket captures it)."""
-    from bpcompile.runtime.paged_kv import float_store_factory
     from bpcompile.runtime.request import SamplingParams
 
-    res, factory = {}, None
-    if (engine / "kv_plan" / "plan.json").is_file() and KVPlan.load(engine / "kv_plan").has_exact:
-        factory = float_store_factory(torch.float16)
-        res["kv"] = "FP16 (the engine's plan has exact entries, whose copies the static step does not write)"
-    else:
-        res["kv"] = "the engine's"
+    res, factory = {"kv": "the engine's"}, None
     toks, logits, speed = {}, None, {}
     for mode in ("off", "on"):
         g = load_generator(engine, str(dev), dtype, tree, kernels, factory, mode)
