@@ -1,5 +1,6 @@
-"""Fault injection: real `bpcompile build` processes killed with SIGKILL at six points (convert, calibrate, the
-kernel compiler running, engine publish, repository staging, repository switch) and run out of disk at two
+"""Fault injection: real `bpcompile build` processes killed with SIGKILL at five points (convert, calibrate, engine
+publish, repository staging, repository switch), the AOT kernel compiler's caller killed while it runs (a
+`target: tensorrt` build's stage, which cannot run here: it is called directly), and run out of disk at two
 (writing the converted checkpoint, copying the engine into the repository). After each: `bpcompile list` shows
 only complete versions, the repository holds one consistent set of versions, and the next build succeeds with
 no manual cleanup.
@@ -32,16 +33,15 @@ REPO = Path(__file__).resolve().parents[1]
 MB = 1 << 20
 
 
-def _recipe(root: Path, kernels: bool = False) -> Path:
+def _recipe(root: Path) -> Path:
     text = (REPO / "recipes" / "tiny.yaml").read_text()
     text = (
         text.replace("../models/", f"{REPO}/models/")
         .replace("store: ../engines", f"store: {root / 'engines'}")
         .replace("triton_repo: ../triton_repo", f"triton_repo: {root / 'repo'}")
         .replace("samples: 16, length: 128", "samples: 2, length: 32")
-        .replace("compile: true", f"compile: {'true' if kernels else 'false'}")
     )
-    f = root.parent / ("kernels.yaml" if kernels else "tiny.yaml")
+    f = root.parent / "tiny.yaml"
     f.write_text(text)
     return f
 
@@ -136,6 +136,17 @@ def build_cmd(recipe: Path, *args) -> list[str]:
     return [sys.executable, "-m", "bpcompile.cli", "build", str(recipe), *args]
 
 
+def _compile_kernels_cmd(version: Path, out: Path) -> list[str]:
+    """compile_engine_kernels (a target: tensorrt build's "compile kernels" stage) on a version's model."""
+    code = (
+        "import sys; from pathlib import Path; from bpcompile.compiler.aot import compile_engine_kernels; "
+        "from bpcompile.compiler.recipe import Recipe; "
+        "r = Recipe(name='k', models={'verifier': {'path': 'v'}, 'draft': {'path': 'd'}}, target='tensorrt'); "
+        "compile_engine_kernels(Path(sys.argv[1]), r, Path(sys.argv[2]))"
+    )
+    return [sys.executable, "-c", code, str(version), str(out)]
+
+
 def killed_at(point: str, recipe: Path, *extra) -> None:
     r = bp("build", recipe, *extra, env={"BPCOMPILE_FAULT_AT": point})
     assert r.returncode == -signal.SIGKILL, f"not killed at {point}: rc {r.returncode}\n{r.stderr[-3000:]}"
@@ -170,12 +181,15 @@ def test_kill_and_full_disk_leave_only_complete_versions(tmp_path, disk):
     assert r.returncode == 0, r.stderr
     assert listed(root / "engines") == [1] and served(root) == [1]
 
-    # --- killed while converting, calibrating and compiling kernels, three builds at once (each one's staging
-    # is locked while it runs, so none removes another's): nothing visible, only staging directories left
+    # --- killed while converting and calibrating, two builds at once (each one's staging is locked while it
+    # runs, so none removes another's), and while compiling the cubins of version 1's model: nothing visible,
+    # only staging directories left, and no compiler outlives its caller
     cache = tmp_path / "cache"  # empty: the kernel compiler must really run
     procs = [
         subprocess.Popen(
-            build_cmd(_recipe(root, kernels=point == "kernels"), "--force"),
+            _compile_kernels_cmd(engines / "1", tmp_path / "cubins")
+            if point == "kernels"
+            else build_cmd(_recipe(root), "--force"),
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
