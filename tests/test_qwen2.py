@@ -116,6 +116,18 @@ def test_logits_equal_transformers_at_tp1(tmp_path, shape):
     assert (got - ref).abs().max().item() <= TOL
 
 
+def test_loaded_model_keeps_no_view_of_the_checkpoint_file(tmp_path):
+    """A float32 rank file loads as views of safetensors' memory map; the model keeps its own copies (norms, biases
+    and the untied embedding too), so the map is gone once it is loaded: one kept view would keep the whole file
+    mapped and its pages resident beside the model's copies."""
+    h, kv, d, tied = SHAPES["d128"]  # q/k/v biases, an untied head: an embedding kept as it is read
+    hf = make_qwen2(tmp_path / "hf", h, kv, d, tied)
+    convert_checkpoint(hf, tmp_path / "trt", dtype="float32")
+    model = Llama.from_checkpoint(tmp_path / "trt")
+    assert str(tmp_path / "trt") not in Path("/proc/self/maps").read_text()
+    assert (model(_tokens()) - hf_logits(hf, _tokens())).abs().max().item() <= TOL
+
+
 RANK_SCRIPT = textwrap.dedent("""
     import sys, torch
     from datetime import timedelta
