@@ -362,12 +362,12 @@ def via_triton(engine: Path, max_tokens: int, concurrency: int, reference: Path 
 
 
 def _memory() -> dict[str, float]:
-    """This process's resident set now (VmRSS) and at its peak so far (VmHWM), in MB: torch's allocations are
-    invisible to tracemalloc, the kernel's counts are not."""
+    """This process's resident set now (VmRSS; RssAnon: its anonymous part, without mapped files' pages) and at
+    its peak so far (VmHWM), in MB: torch's allocations are invisible to tracemalloc, the kernel's counts are not."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
+        if key in ("VmRSS", "VmHWM", "RssAnon"):
             out[key] = round(int(value.split()[0]) / 1024, 1)
     return out
 
@@ -430,8 +430,7 @@ def speed_side(cfg: dict) -> dict:
         "order": order,
         "threads": torch.get_num_threads(),
         "load_s": round(load_s, 1),
-        "rss_after_load_mb": loaded["VmRSS"],
-        "peak_rss_mb": _memory()["VmHWM"],
+        "memory_mb": {"after_load": loaded, "end": _memory()},
         "rows": {x: {"tokens": n[x], "seconds": round(t[x], 3), "tokens_per_s": round(n[x] / t[x], 3)} for x in names},
         **info,
     }
@@ -498,8 +497,13 @@ def speed(engine: Path, n: int, max_tokens: int, repeats: int, pause: float, thr
             for k, b in BARS.items()
         },  # fmt: skip
         "first_side_each_repeat": [next(iter(g)) for g in runs],
-        "memory_mb": {
-            s: {"after_load": [g[s]["rss_after_load_mb"] for g in runs], "peak": [g[s]["peak_rss_mb"] for g in runs]}
+        "memory_mb": {  # per side and repeat: resident after loading and at the end, its anonymous part, the peak
+            s: {
+                "after_load": [g[s]["memory_mb"]["after_load"]["VmRSS"] for g in runs],
+                "anon_after_load": [g[s]["memory_mb"]["after_load"]["RssAnon"] for g in runs],
+                "end": [g[s]["memory_mb"]["end"]["VmRSS"] for g in runs],
+                "peak": [g[s]["memory_mb"]["end"]["VmHWM"] for g in runs],
+            }
             for s in ("ours", "transformers")
         },
         "load_s": {s: [g[s]["load_s"] for g in runs] for s in ("ours", "transformers")},
