@@ -21,6 +21,8 @@
    captured CUDA graphs on CUDA, the same static step eagerly on CPU) against the engine's own step (off): greedy
    tokens (speculation on; divergences with their top-2 gap) and decode tokens/s at batch 1 and 8, the graphs
    captured. Over the engine's KV plan (exact entries included: the static step writes and reads their copies).
+   At tp 1 only: at tp > 1 each rank captures its buckets with the NCCL all-reduces inside, which needs two or
+   more GPUs (NCCL puts one rank on a GPU); that capture has not run yet (docs/GPU.md).
 
 Exit 0 when every kernel check passes and every divergence is within --tie-ulps bf16 ulps of the top logit
 (rounding decides a near tie); 1 otherwise; 2 for bad arguments (no CUDA device for --device cuda, ...).

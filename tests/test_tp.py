@@ -448,7 +448,7 @@ def test_channel_messages_and_devices():
     )  # fmt: skip
     assert got[2].block_tables.tolist() == [[0, 1, 2], [3, 4, 5]] and got[2].page_size == 8 and got[3:] == (False, -5)
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    for bad in (head[:-1], head + [0], [9] + head[1:], head[:2] + [99] + head[3:]):
+    for bad in (head[:-1], head + [0], [99] + head[1:], head[:2] + [99] + head[3:]):
         with pytest.raises(TPError):
             decode(bad, buf)
     with pytest.raises(TPError, match="does not carry"):
@@ -498,6 +498,28 @@ def test_tp2_chunked_prefill_equals_unchunked(tiny_tp2):
     finally:
         two.close()
     assert got == ref
+
+
+def test_tp2_static_step_equals_tp1(tiny_tp2):
+    """runtime.cuda_graphs on at tp 2: rank 0 sends each step's inputs over the tensor channel and every rank runs
+    it from its own static buckets (eagerly on CPU), its row-split linears all-reducing inside; tokens equal tp 1
+    with the executor's own step, for 2 prompts at once and then 3 (the bucket of 4 with a padding row), the
+    engine's INT4 + FP8-unit plan sliced per rank, speculation in every step. A worker without the static step
+    would fail the call (it gets run_static), so equal tokens mean both ranks ran it."""
+    prompts = _prompts(tiny_tp2, 5)
+    params = SamplingParams(max_tokens=8)
+    batches = (prompts[:2], prompts[2:])
+    one = Generator.from_engine(tiny_tp2, tp=1, cuda_graphs="off")
+    ref = [[t for t, _ in one.generate(b, params)] for b in batches]
+    two = Generator.from_engine(tiny_tp2, cuda_graphs="on")
+    try:
+        assert two.tp == 2 and two.v_exec.static is not None and two.d_exec.static is not None
+        res = [two.generate(b, params) for b in batches]
+    finally:
+        two.close()
+    assert [[t for t, _ in r] for r in res] == ref
+    assert sum(s.verifier_steps for r in res for _, s in r) < 5 * 8  # drafts were accepted
+    assert {b for b, *_ in two.v_exec.static.buckets} >= {2, 4} and two.v_exec.static.padded > 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -462,6 +462,12 @@ class Executor:
             "run_forward", tok, pos, flat, attn, self._dense_width(), *(() if feats is None else (feats, lrows))
         )
 
+    def run_static(self, *args) -> torch.Tensor:
+        """A step from the static buffers (`StaticStep.run`); every rank of a tensor-parallel group runs it."""
+        if self.static is None:
+            raise RuntimeError(f"the {self.role} was sent a static step but runs the executor's own (cuda_graphs off)")
+        return self.static.run(*args)
+
     def _kernel_exact(self, reqs, writes, positions, ctx, tree_lens, pos) -> tuple:
         """For the kernels over a plan with exact entries: (where this forward's entries go in the RecentKV: rows
         [B * T], logical index [B * T]; (each sequence's row [B], its query rows' positions [B, T], its tree

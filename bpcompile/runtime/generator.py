@@ -161,7 +161,7 @@ class Generator:
             exact = plan is not None and plan.has_exact
             static = wants_static(cuda_graphs, self.device)
             if static:
-                why = static_support(executor, 1)
+                why = static_support(executor)
                 if why is not None and cuda_graphs == "on":
                     raise UserError(f"runtime.cuda_graphs on: {why}; set it to auto or off", key="runtime.cuda_graphs")
                 static = why is None
@@ -271,11 +271,6 @@ class Generator:
                 key="tp",
             )
         cuda_graphs = cuda_graphs or os.environ.get(CUDA_GRAPHS) or cfg.runtime.cuda_graphs
-        if tp > 1 and cuda_graphs != "off":
-            why = static_support("torch", tp)
-            if cuda_graphs == "on":
-                raise UserError(f"runtime.cuda_graphs on: {why}; set it to auto or off", key="runtime.cuda_graphs")
-            cuda_graphs = "off"
         if tp > 1:
             if cfg.parallel.pp != 1:
                 raise UserError(
@@ -325,7 +320,9 @@ class Generator:
         if tp > 1 and _rank == 0:
             from bpcompile.runtime import tp as tensor_parallel
 
-            peers = tensor_parallel.launch(d, tp, {"tree": asdict(tree), "prefix_reuse": prefix_reuse}, device)
+            # every rank takes the static step or none: rank 0 sends its steps as run_static calls
+            shared = {"tree": asdict(tree), "prefix_reuse": prefix_reuse, "cuda_graphs": cuda_graphs}
+            peers = tensor_parallel.launch(d, tp, shared, device)
             group = peers.group
         try:
             load = (

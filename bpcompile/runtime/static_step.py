@@ -19,8 +19,14 @@ A plan's exact entries (FP16 copies of the sink / recent window, `RecentKV`) are
 by the kernels, or by the reference attention, from per-bucket buffers: each sequence's row of copies, its query
 positions and its tree entries' positions. Nothing on the step's path waits for the device.
 
+Tensor parallelism: rank 0 does the host bookkeeping and turns a step into tensors (`inputs`); the tensor channel
+(runtime/tp.py) carries them to every other rank, and each rank copies them into its own bucket of the same shape
+and runs the same function on its shard, whose row-split linears all-reduce inside it (`run`). On CUDA each rank
+captures its buckets in the order the steps arrive, the same on every rank, so their graphs hold the same NCCL
+collectives in the same order; the broadcast of the inputs stays outside the graphs.
+
 What runs here: the paged attention (the Triton kernels where `kernels_for` picks them, else the PyTorch
-reference over a fixed-width gather), tensor parallelism 1, the torch executor, any KV plan. `static_support`
+reference over a fixed-width gather), any tensor-parallel size, the torch executor, any KV plan. `static_support`
 says why a configuration cannot have it.
 """
 
@@ -37,12 +43,10 @@ from bpcompile.runtime.paged_kv import AttnBatch, paged_attention
 MODES = ("auto", "on", "off")
 
 
-def static_support(executor: str, tp: int) -> Optional[str]:
+def static_support(executor: str) -> Optional[str]:
     """Why the static-buffer step cannot run for this configuration, or None."""
     if executor != "torch":
         return f"the {executor} executor runs its exported graphs"
-    if tp > 1:
-        return "tensor parallelism (tp > 1) runs the executor's own step on every rank"
     return None
 
 
@@ -152,9 +156,10 @@ class StaticStep:
             bk.seq_row[B:] = 0
             bk.tree_pos[B:] = 0
 
-    def _fill(self, bk, reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows) -> None:
-        """Copy one step's inputs into the bucket (host lists -> one tensor each -> copy_ into the buffers)."""
-        kv, T, B, dev = self.kv, bk.T, len(reqs), self.ex.device
+    def inputs(self, reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows) -> tuple:
+        """One step's inputs as tensors of its real rows (host bookkeeping: pages, slots, exact rows), the arguments
+        of `run`: what rank 0 sends the other ranks of a tensor-parallel group."""
+        kv, T = self.kv, max(len(t) for t in tokens)
         pad = lambda xs: [x + [0] * (T - len(x)) for x in xs]  # noqa: E731
         if mask_rows is None:  # causal over the new tokens, which are the whole tree region: row i sees 0..i
             mask_rows = [[(1 << (i + 1)) - 1 for i in range(len(t))] for t in tokens]
@@ -164,30 +169,29 @@ class StaticStep:
             if len(t) > self.pages:
                 raise RuntimeError(f"sequence {r.id} holds {len(t)} pages, the static step's tables {self.pages}")
             tables.append(t + [0] * (self.pages - len(t)))
-        bk.tok[:B].copy_(torch.tensor(pad(tokens)))
-        bk.pos[:B].copy_(torch.tensor(pad(positions)))
-        bk.flat.view(bk.B, T)[:B].copy_(
-            torch.tensor(pad([[kv.slot(r.id, i) for i in w] for r, w in zip(reqs, writes)]))
+        exact = None
+        if kv.recent is not None:
+            exact = self._exact_inputs(reqs, positions, writes, ctx, tree_lens, T)
+        return (
+            torch.tensor(pad(tokens)),
+            torch.tensor(pad(positions)),
+            torch.tensor(pad([[kv.slot(r.id, i) for i in w] for r, w in zip(reqs, writes)])),
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(ctx),
+            torch.tensor(tree_lens),
+            torch.tensor([len(t) for t in tokens]),
+            torch.stack([pack_rows(m + [0] * (T - len(m)), -(-T // 32)) for m in mask_rows]),
+            None if feats is None else feats[:, :T].to(self.ex.model.dtype),
+            None if logit_rows is None else torch.tensor(logit_rows),
+            exact,
         )
-        bk.tables[:B].copy_(torch.tensor(tables, dtype=torch.int32))
-        bk.ctx[:B].copy_(torch.tensor(ctx))
-        bk.tree[:B].copy_(torch.tensor(tree_lens))
-        bk.qlen[:B].copy_(torch.tensor([len(t) for t in tokens]))
-        bk.mask[:B].copy_(torch.stack([pack_rows(m + [0] * (T - len(m)), bk.mask.shape[-1]) for m in mask_rows]))
-        if bk.feats is not None:
-            bk.feats[:B].copy_(feats[:, :T].to(dev, bk.feats.dtype))
-        if bk.rows is not None:
-            bk.rows[:B].copy_(torch.tensor(logit_rows))
-        if bk.e_row is not None:
-            self._fill_exact(bk, reqs, positions, writes, ctx, tree_lens)
-        self._pad(bk, B)
 
-    def _fill_exact(self, bk, reqs, positions, writes, ctx, tree_lens) -> None:
-        """The exact copies' buffers: as the executor's `_kernel_exact` makes them, at the bucket's fixed width. A
+    def _exact_inputs(self, reqs, positions, writes, ctx, tree_lens, T: int) -> tuple:
+        """The exact copies' inputs: as the executor's `_kernel_exact` makes them, at the bucket's fixed width. A
         tree entry sits at its token's position when this step writes it, else at its logical index."""
-        rec, T, B = self.kv.recent, bk.T, len(reqs)
+        rec = self.kv.recent
         rows = [self.kv.rows[r.id] for r in reqs]
-        width = bk.tree_pos.shape[1]
+        width = max(T, self.ex.lookahead)
         tree_pos = []
         for w, p, c, t in zip(writes, positions, ctx, tree_lens):
             late = [i for i in w if i >= rec.sink]
@@ -198,12 +202,32 @@ class StaticStep:
                 if c <= i < c + t:
                     tp[i - c] = x
             tree_pos.append(tp)
-        bk.e_row.view(bk.B, T)[:B].copy_(
-            torch.tensor([[r] * len(w) + [rec.rows] * (T - len(w)) for r, w in zip(rows, writes)])
+        return (
+            torch.tensor([[r] * len(w) + [rec.rows] * (T - len(w)) for r, w in zip(rows, writes)]),
+            torch.tensor([w + [0] * (T - len(w)) for w in writes]),
+            torch.tensor(rows),
+            torch.tensor(tree_pos, dtype=torch.int32),
         )
-        bk.e_idx.view(bk.B, T)[:B].copy_(torch.tensor([w + [0] * (T - len(w)) for w in writes]))
-        bk.seq_row[:B].copy_(torch.tensor(rows))
-        bk.tree_pos[:B].copy_(torch.tensor(tree_pos, dtype=torch.int32))
+
+    def _fill(self, bk: Bucket, tok, pos, flat, tables, ctx, tree, qlen, mask, feats, rows, exact) -> None:
+        """Copy one step's inputs (`inputs`) into the bucket's first rows; the rest become padding."""
+        B = tok.shape[0]
+        for buf, x in ((bk.tok, tok), (bk.pos, pos), (bk.tables, tables), (bk.ctx, ctx), (bk.tree, tree)):
+            buf[:B].copy_(x)
+        bk.flat.view(bk.B, bk.T)[:B].copy_(flat)
+        bk.qlen[:B].copy_(qlen)
+        bk.mask[:B].copy_(mask)
+        if bk.feats is not None:
+            bk.feats[:B].copy_(feats)
+        if bk.rows is not None:
+            bk.rows[:B].copy_(rows)
+        if bk.e_row is not None:
+            e_row, e_idx, seq_row, tree_pos = exact
+            bk.e_row.view(bk.B, bk.T)[:B].copy_(e_row)
+            bk.e_idx.view(bk.B, bk.T)[:B].copy_(e_idx)
+            bk.seq_row[:B].copy_(seq_row)
+            bk.tree_pos[:B].copy_(tree_pos)
+        self._pad(bk, B)
 
     # ------------------------------------------------------------------------------------------ the step
 
@@ -262,15 +286,24 @@ class StaticStep:
         bk.graph, bk.outputs = g, out
 
     def forward(self, reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows) -> torch.Tensor:
-        """As `Executor.forward` (the same arguments and result), from the bucket's static buffers."""
-        B, T = len(reqs), max(len(t) for t in tokens)
-        bk = self._bucket(B, T, feats is not None, logit_rows is not None)
+        """As `Executor.forward` (the same arguments and result), from the bucket's static buffers: the inputs
+        through `Executor.run_static`, which at tp > 1 runs on every rank."""
+        args = self.inputs(reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows)
+        return self.ex._call("run_static", *args)
+
+    def run(self, tok, pos, flat, tables, ctx, tree, qlen, mask, feats, rows, exact) -> torch.Tensor:
+        """One step from `inputs`' tensors (rank 0's own, or received from it): into the bucket of their shape,
+        then computed (CUDA: replayed). Every rank of a tensor-parallel group gets the same calls in the same
+        order, so each creates, and on CUDA captures, the same buckets in the same order: their graphs hold the
+        same collectives in the same order, as NCCL requires."""
+        B, T = tok.shape
+        bk = self._bucket(B, T, feats is not None, rows is not None)
         if self.capture and bk.graph is None:
             self._record(bk)  # on the padding the new bucket holds, before this step's inputs go in
         self.padded += bk.B - B
-        self._fill(bk, reqs, tokens, positions, writes, ctx, tree_lens, mask_rows, feats, logit_rows)
+        self._fill(bk, tok, pos, flat, tables, ctx, tree, qlen, mask, feats, rows, exact)
         logits, hidden = self._run(bk)
         # copies: the next replay overwrites the graph's outputs, and callers keep rows of them across steps
         if hidden is not None:
             self.ex.hidden = hidden[:B, :T].clone()
-        return logits[:B, : (1 if logit_rows is not None else T)].clone()
+        return logits[:B, : (1 if rows is not None else T)].clone()

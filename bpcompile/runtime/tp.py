@@ -167,6 +167,7 @@ _CALLS = (
     "run_chunk_begin",
     "run_prefill_chunk",
     "run_chunk_end",
+    "run_static",
 )
 _ROLES = ("verifier", "draft")
 _WORDS = ("dense", "paged")
