@@ -74,17 +74,28 @@ def test_70b_recipe_at_tp8_on_h200():
     # 128256*2048 + 16032*2048 + 2048 + 16 * (2*2048 + (256 + 128)*2048 + 2048*256 + 3*2048*1024)
     draft = 262_668_288 + 32_833_536 + 2048 + 16 * 7_606_272
     assert p["weights_bytes"] == 2 * (verifier + draft)
-    # KV: 2*80*8 = 1280 units; round(0.08*1280) = 102 FP8 (128 + 2 bytes a token, group 128) and 1178 INT4 (64 + 2)
-    # = 91,008 bytes a token for the model, 1/8 of it per rank; the bf16 draft cache: 2*16*1 units of 64 x 2 bytes
-    assert p["kv_bytes_per_token"] == 91_008 / 8 == 11_376
+    # KV, the default plan (G = D = 128: one fp16 scale a token per unit; payload + 2 bytes): 2*80*8 = 1280 units.
+    # Keys: layers 0-26 (the first third, round(80/3) = 27) KLT6, 27 x 8 units of 96 + 2; layers 27-52 (to
+    # round(160/3) = 53) KLT5, 26 x 8 of 80 + 2; layers 53-79 INT4, 27 x 8 of 64 + 2. Values: round(0.6667 * 640)
+    # = 427 INT3 (48 + 2), the other 213 INT4. 216*98 + 208*82 + 216*66 + 427*50 + 213*66 = 87,888 bytes a token for
+    # the model, 1/8 of it per rank, + 4 for the slot's position that KLT keys are rebuilt with
+    assert p["kv_bytes_per_token"] == 87_888 / 8 + 4 == 10_990
     assert p["draft_kv_bytes_per_token"] == 2 * 16 * 64 * 2 == 4096
     # 64 sequences x ceil((16384 + 6) / 64) = 257 pages, + 1, of 64 tokens
     assert p["cache_tokens"] == (64 * 257 + 1) * 64 == 1_052_736
-    assert p["kv_bytes"] == 1_052_736 * (11_376 + 4096)
+    # exact copies: 10 window entries + a tree of 6, K and V of 80 layers x 1 KV head x 128 in fp16, per sequence
+    exact = 80 * 2 * 128 * 2 * (10 + 6)
+    # KLT tables of this rank's KV head: per KLT unit (53 layers) a 128 x 128 fp16 basis and fp32 weight and mean
+    # (32,768 + 1,024 bytes); per layer bits (int8), steps and levels (fp32) of 128 coefficients (1,152 bytes); 64
+    # fp32 frequencies; the kernels' fp32 copies: every layer's basis and bits, offsets, steps, levels, weights and
+    # means (65,536 + 6 * 512 bytes), frequencies again
+    tables = 53 * 33_792 + 80 * 1_152 + 256 + 80 * 68_608 + 256
+    assert tables == 7_372_288
+    assert p["kv_bytes"] == 1_052_736 * (10_990 + 4096) + 64 * exact + tables
     assert p["fits"] and p["tp"] == 8
-    # batch 1 at 16384 tokens reads the verifier shard and one sequence's KV: 4.8e12 / (2*verifier + 16384*11376)
+    # batch 1 at 16384 tokens reads the verifier shard and one sequence's KV: 4.8e12 / (2*verifier + 16384*10990)
     assert p["projected_decode_tokens_per_s"]["batch_1_at_max_seq_len"] == pytest.approx(
-        4.8e12 / (2 * verifier + 16384 * 11376)
+        4.8e12 / (2 * verifier + 16384 * 10_990)
     )
 
 
@@ -109,8 +120,9 @@ def test_feature_draft_counts_only_its_own_weights():
 def test_exact_entries_add_their_copies_per_sequence():
     """With an FP16 sink and window each sequence holds sink + window + one tree of FP16 K/V per unit: on the 70B
     recipe at tp 8, 80 layers x 1 KV head x K|V x 128 x 2 bytes x (1 + 16 + 6) per sequence, 64 sequences."""
-    # on the CPU, whose attention reads these entries (for runtime.device cuda their auto settings are off)
-    base = {**_recipe_70b(), "runtime": {"device": "cpu"}}
+    # from INT4 units with 8% FP8 ones and no exact entries, each setting's bytes on their own
+    fp8_units = {"format": "int4-fp8-outlier", "group_size": 128, "page_size": 64, "outlier_fraction": 0.08}
+    base = {**_recipe_70b(), "kv_cache": {**fp8_units, "sink_tokens": 0, "recent_window": 0}}
     models = {"verifier": {"path": "v", "dtype": "bfloat16"}, "draft": {"path": "d", "dtype": "bfloat16"}}
     kv = {**base["kv_cache"], "sink_tokens": 1, "recent_window": 16, "int5_keys": "none"}
     exact = {**base, "models": models, "kv_cache": {**kv, "retrieval_fraction": 0.0}}
@@ -160,16 +172,17 @@ def test_exact_entries_add_their_copies_per_sequence():
         for t in ("none", "klt")
     )
     assert pk5["kv_bytes_per_token"] - p5["kv_bytes_per_token"] == 4 - 53 * 8 * 2 / 8
-    # and INT6 keys (opt-in) with int3_values' auto: the keys of the first third (layers 0-26: 27 x 8 units) in
+    # and INT6 keys with int3_values' auto (no KLT keys): the keys of the first third (layers 0-26: 27 x 8 units) in
     # INT6, 32 more payload bytes each than INT4 (96 against 64), and round(0.6667 * 640) = 427 value units in INT3,
     # 16 fewer each (48 against 64)
     p4 = plan(
-        Recipe.model_validate({**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "early"}}),
+        Recipe.model_validate(
+            {**exact, "kv_cache": {**kv, "int5_keys": "auto", "int6_keys": "early", "key_transform": "none"}}
+        ),
         _spec(L70),
         _spec(L1B),
         DEVICES["h200"],
     )
-    # (at tp 8 key_transform's auto stays none: KLT keys are calibrated for one rank)
     assert p4["kv_bytes_per_token"] - p3["kv_bytes_per_token"] == (27 * 8 * 32 - 427 * 16) / 8
 
 
@@ -232,7 +245,7 @@ def test_plan_command(tmp_path):
     out = json.loads(res.stdout)
     assert out["at_recipe_tp"]["tp"] == 8 and out["at_recipe_tp"]["fits"]
     assert out["smallest_tp_that_fits"]["tp"] < 8
-    # 40 GB cards: not at tp 8 with these limits (weights 20.3 GB, KV pools 16.3, the draft's dense copy 4.4): exit 2
+    # 40 GB cards: not at tp 8 with these limits (weights 20.3 GB, KV pools 15.9, the draft's dense copy 4.4): exit 2
     res = CliRunner().invoke(main, ["plan", str(recipe), "--memory-gb", "40"])
     assert res.exit_code == 2 and "does not fit" in res.stderr and "| fits |" in res.stdout
     # a model path that does not exist is named

@@ -135,6 +135,29 @@ def test_shipped_recipes_parse():
         assert r.kv_cache.format == "int4-fp8-outlier"
 
 
+def test_70b_recipe_resolves_to_the_default_plan_of_one_rank():
+    """recipes/70b.yaml (tp 8, CUDA) names no KV setting but format, group and page size: they resolve as the same
+    three do on one CPU rank (KLT6 / KLT5 keys, INT3 values, a window of 10; each rank its KV head's tables)."""
+    import yaml
+
+    from bpcompile.core.engine import EngineConfig
+
+    raw = yaml.safe_load((REPO / "recipes" / "70b.yaml").read_text())
+    assert set(raw["kv_cache"]) == {"format", "group_size", "page_size"}
+    at8 = EngineConfig.from_sections(raw)
+    at1 = EngineConfig.model_validate({"name": "t", "kv_cache": raw["kv_cache"]})
+    assert (at8.parallel.tp, at8.runtime.device, at1.parallel.tp, at1.runtime.device) == (8, "cuda", 1, "cpu")
+    assert at8.kv_cache == at1.kv_cache
+    kv = at8.kv_cache
+    assert (kv.key_transform, kv.int6_keys, kv.int5_keys, kv.int3_values, kv.recent_window) == (
+        "klt",
+        "early",
+        "middle",
+        0.6667,
+        10,
+    )
+
+
 @pytest.mark.parametrize(
     "extra,key,line_of,expect",
     [

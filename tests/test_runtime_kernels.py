@@ -36,17 +36,14 @@ if sys.argv[3] == "mixed":
     plan = KVPlan.uniform("int4-fp8-outlier", L, KV, D, group_size=32)
     plan.precision[1]["k"][0] = "fp8"  # mixed units: one FP8 outlier unit among INT4 ones
     plan = KVPlan(**{**plan.__dict__})
-elif sys.argv[3] == "70b":  # recipes/70b.yaml's plan: INT4 units, 8% FP8 outlier units, G = D = 128, rotated
-    g = torch.Generator().manual_seed(0)
-    prec = [{"k": ["int4", "int4"], "v": ["int4", "int4"]}, {"k": ["fp8", "int4"], "v": ["int4", "int4"]}]
-    plan = KVPlan("int4-fp8-outlier", L, KV, D, 128, prec, k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
-                  int4_clip=torch.rand(L, 2, KV, generator=g) * 0.3 + 0.7, rotation="hadamard",
-                  k_mean=torch.randn(L, KV, D, generator=g) * 0.1, outlier_fraction=0.08)
-else:  # the default plan's kinds of units, with tables shaped as calibration makes them
+else:  # the default plan's kinds of units, with tables shaped as calibration makes them; "70b": recipes/70b.yaml's
+    # (the default at G = D = 128, one scale per token and unit, page 64, window 10), an INT4 key unit among them
     from bpcompile.compiler.calibrate import water_filling_bits
 
     g = torch.Generator().manual_seed(0)
     prec = [{"k": ["klt6", "klt6"], "v": ["int3", "int3"]}, {"k": ["klt5", "klt5"], "v": ["int4", "int3"]}]
+    if sys.argv[3] == "70b":
+        prec[1]["k"][1] = "int4"
     lam = torch.logspace(0, -3, D)
     klt = {"mean": torch.randn(L, KV, D, generator=g) * 0.1, "weight": torch.rand(L, KV, D, generator=g) + 0.5,
            "bits": torch.zeros(L, KV, D, dtype=torch.int8), "step": torch.zeros(L, KV, D),
@@ -54,14 +51,19 @@ else:  # the default plan's kinds of units, with tables shaped as calibration ma
            "inv_freq": rope_inv_freq(cfg).float()}
     for layer, p in enumerate(prec):
         for h, x in enumerate(p["k"]):
+            if x == "int4":
+                continue
             b = water_filling_bits(lam, int(x[3]) * D)
             klt["basis"][layer, h] = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0].half()
             klt["bits"][layer, h], klt["step"][layer, h] = b.to(torch.int8), lam.sqrt() / 2.0 ** b.float()
             klt["level"][layer, h] = torch.where(b == 1, lam.sqrt() * 0.8, 0.0)
-    plan = KVPlan("int4-fp8-outlier", L, KV, D, 32, prec, k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5,
-                  int4_clip=torch.ones(L, 2, KV), rotation="hadamard", k_mean=torch.randn(L, KV, D, generator=g) * 0.1,
-                  recent_window=4, klt=klt)
-gen = Generator(v, d, TreeSpec(sys.argv[1], nodes=4, length=3), max_batch_size=2, max_seq_len=64, page_size=8,
+    big = sys.argv[3] == "70b"
+    plan = KVPlan("int4-fp8-outlier", L, KV, D, 128 if big else 32, prec,
+                  k_channel_scale=torch.rand(L, KV, D, generator=g) + 0.5, int4_clip=torch.ones(L, 2, KV),
+                  rotation="hadamard", k_mean=torch.randn(L, KV, D, generator=g) * 0.1,
+                  recent_window=10 if big else 4, klt=klt)
+page = 64 if sys.argv[3] == "70b" else 8
+gen = Generator(v, d, TreeSpec(sys.argv[1], nodes=4, length=3), max_batch_size=2, max_seq_len=64, page_size=page,
                 kv_store_factory=kv_store_factory(plan))
 out = gen.generate([[5, 17, 9, 100, 3, 4, 8, 9, 10], [7, 7, 7]], SamplingParams(max_tokens=int(sys.argv[2])))
 print(json.dumps({"tokens": [t for t, _ in out], "kernels": gen.vkv.kern is not None}))
@@ -105,8 +107,9 @@ def test_kernel_path_reads_the_default_plans_units():
 
 
 def test_kernel_path_reads_the_70b_recipes_plan():
-    """recipes/70b.yaml's plan (INT4 with 8% FP8 units, one scale per token and head of 128) on a small random model
-    with the 70B's head size, through the kernels: the torch executor's tokens."""
+    """recipes/70b.yaml's plan (the default: KLT6 / KLT5 keys, INT3 / INT4 values, a window of 10; one scale per
+    token and head of 128, pages of 64) on a small random model with the 70B's head size, through the kernels: the
+    torch executor's tokens."""
     n = 6
     ref = run("torch", "dynamic", n, "70b")
     assert run("triton", "dynamic", n, "70b") == ref

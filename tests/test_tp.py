@@ -25,8 +25,13 @@ TINY = REPO / "models" / "tiny"
 N_PROMPTS, N_TOKENS = 50, 32
 
 
-def _tiny_tp2(root: Path) -> Path:
+def _tiny_tp2(root: Path, default_kv: bool = False) -> Path:
+    """recipes/tiny.yaml built at tp 2 (its INT4 + FP8-unit plan; default_kv: the default plan, its explicit KV
+    settings other than format, group and page size dropped)."""
     text = (REPO / "recipes" / "tiny.yaml").read_text().replace("../models/tiny", str(TINY))
+    if default_kv:
+        drop = ("  outlier_fraction:", "  sink_tokens:", "  recent_window:")
+        text = "".join(line for line in text.splitlines(True) if not line.startswith(drop))
     text = text.replace("parallel: {tp: 1, pp: 1}", "parallel: {tp: 2, pp: 1}")
     text = text.replace(
         "store: ../engines, triton_repo: ../triton_repo",
@@ -40,6 +45,11 @@ def _tiny_tp2(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
     return _tiny_tp2(tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2_default(tmp_path_factory):
+    return _tiny_tp2(tmp_path_factory.mktemp("tp2default"), default_kv=True)
 
 
 def _prompts(engine: Path, n: int) -> list[list[int]]:
@@ -97,6 +107,17 @@ def test_kv_plan_shard_takes_each_ranks_heads():
     assert torch.equal(r5.k_channel_scale, plan.k_channel_scale[:, 2:3])
     # the per-rank plans' bytes add up to the whole plan's (no unit lost or counted twice at tp <= KV)
     assert sum(plan.shard(r, 2).bytes_per_token() for r in range(2)) == plan.bytes_per_token()
+    # KLT key units: each rank takes its heads' tables (the frequencies are every head's)
+    basis = torch.linalg.qr(torch.randn(L, KV, D, D))[0].half()
+    klt = {n: torch.rand(L, KV, D) for n in ("mean", "weight", "step", "level")}
+    klt |= {"basis": basis, "bits": torch.full((L, KV, D), 4, dtype=torch.int8), "inv_freq": torch.rand(D // 2)}
+    keys = {"k": ["klt4", "int4", "int4", "klt4"], "v": ["int4"] * 4}
+    kp = KVPlan("int4-fp8-outlier", L, KV, D, 8, [keys] * L, klt=klt)
+    k1 = kp.shard(1, 2)
+    assert k1.precision[0]["k"] == ["int4", "klt4"] and k1.has_klt
+    assert all(torch.equal(k1.klt[n], klt[n][:, 2:]) for n in klt if n != "inv_freq")
+    assert torch.equal(k1.klt["inv_freq"], klt["inv_freq"]) and not kp.shard(1, 4).has_klt
+    assert torch.equal(kp.shard(7, 8).klt["basis"], basis[:, 3:])
 
 
 def test_tp2_is_token_identical_on_the_tiny_pair(tiny_tp2):
@@ -108,8 +129,39 @@ def test_tp2_is_token_identical_on_the_tiny_pair(tiny_tp2):
     assert stats["tokens"] > stats["steps"]  # drafts were accepted: speculation ran on both ranks
 
 
+def test_tp2_default_plan_is_token_identical_to_tp1(tiny_tp2_default):
+    """The default KV plan at tp 2 (the tiny pair's 4 layers: keys KLT6 in layer 0, KLT5 in 1-2, INT4 in 3; INT3 /
+    INT4 values; a recent window of 10 exact entries): each rank its KV head's units and KLT tables; 8 prompts x 16
+    tokens, dynamic tree of 5, the tokens of tp 1 with the same plan. (A rank keys the KLT dither by its own unit
+    ids, so rank 1's rounding noise is not tp 1's: equal tokens here, not bit-equal codes; wrong tables would
+    depart at once.)"""
+    cfg = json.loads((tiny_tp2_default / "engine.json").read_text())["kv_cache"]
+    assert (cfg["key_transform"], cfg["int6_keys"], cfg["int5_keys"], cfg["recent_window"]) == (
+        "klt",
+        "early",
+        "middle",
+        10,
+    )
+    plan = KVPlan.load(tiny_tp2_default / "kv_plan")
+    assert [p["k"] for p in plan.precision] == [["klt6"] * 2, ["klt5"] * 2, ["klt5"] * 2, ["int4"] * 2]
+    assert "int3" in {x for p in plan.precision for x in p["v"]}
+    prompts = _prompts(tiny_tp2_default, 8)
+    params = SamplingParams(max_tokens=16)
+    ref = [t for t, _ in Generator.from_engine(tiny_tp2_default, tp=1).generate(prompts, params)]
+    two = Generator.from_engine(tiny_tp2_default)
+    try:
+        assert two.tp == 2 and two.tree.kind == "dynamic"
+        got = two.generate(prompts, params)
+    finally:
+        two.close()
+    assert [t for t, _ in got] == ref
+    assert sum(s.verifier_steps for _, s in got) < 8 * 16  # drafts were accepted
+
+
 def test_tp2_is_token_identical_on_a_gqa_pair_with_head_size_24(tmp_path):
-    """Random Llamas with head size 24 (not a power of two): verifier 6 query / 2 KV heads, draft 2 / 1."""
+    """Random Llamas with head size 24 (not a power of two): verifier 6 query / 2 KV heads, draft 2 / 1; INT5 / INT4
+    keys, a window of 10. Without KLT keys: their dither is keyed by a rank's own unit ids, so at tp 2 their rounding
+    noise is not tp 1's, and on this 2-layer pair one prompt of 50 departs from tp 1's tokens."""
     v = make_model(
         tmp_path / "verifier",
         vocab=300,
@@ -137,7 +189,10 @@ def test_tp2_is_token_identical_on_a_gqa_pair_with_head_size_24(tmp_path):
         recipe.read_text()
         .replace("parallel: {tp: 1, pp: 1}", "parallel: {tp: 2, pp: 1}")
         .replace("max_batch_size: 4,", "max_batch_size: 16,")
-        .replace("kv_cache: {format: fp16}", "kv_cache: {format: int4-fp8-outlier, group_size: 24, page_size: 8}")
+        .replace(
+            "kv_cache: {format: fp16}",
+            "kv_cache: {format: int4-fp8-outlier, group_size: 24, page_size: 8, key_transform: none}",
+        )
         + "calibration: {source: 'builtin:pydoc-topics', samples: 4, length: 64}\n"
     )
     engine = build(recipe).path
@@ -532,6 +587,15 @@ def test_plan_counts_what_the_runtime_allocates_on_the_tiny_pair(tiny_tp2, tp):
     planned, held = compare_with_runtime(tiny_tp2, tp)
     assert_plan_matches(planned, held, pools=0.01 if tp == 1 else 0.03)
     assert held["dense"] > 0 and held["chunk"] == 0  # max_input_len 384 never exceeds the 512-token chunk
+
+
+def test_plan_counts_the_default_plans_tables_per_rank(tiny_tp2_default):
+    """The default plan at tp 2: rank 0's pools, exact copies and KLT tables (its KV head's) against the plan's
+    runtime_bytes (within 1%: rank 0's share of the INT3 value units against the plan's per-rank average)."""
+    from test_plan import assert_plan_matches, compare_with_runtime
+
+    planned, held = compare_with_runtime(tiny_tp2_default, 2)
+    assert_plan_matches(planned, held)
 
 
 def test_tp2_prefix_reuse_equals_tp1_without_it(tiny_tp2):

@@ -106,6 +106,21 @@ def exact_bytes_per_sequence(cfg: dict, recipe, tp: int) -> int:
     )
 
 
+def klt_table_bytes(cfg: dict, recipe, tp: int, device: str = "cpu") -> int:
+    """The verifier's KLT tables on one rank, allocated once per engine (runtime.kvcache.QuantKVStore): per KLT key
+    unit its basis (D x D float16), weight and mean (D float32 each); per (layer, KV head) of the rank the bits (int8),
+    steps and levels (float32) of D coefficients; D/2 inverse frequencies (float32). On CUDA the kernels read their
+    own copies (QuantKVStore.kernel_klt): a float32 basis for every (layer, KV head), its D bits, bit offsets (int32),
+    steps, levels, weights and means (float32), and the inverse frequencies."""
+    kv = recipe.kv_cache
+    if kv.format != "int4-fp8-outlier" or kv.key_transform != "klt":
+        return 0
+    L, D, heads = cfg["num_hidden_layers"], cfg["head_dim"], kv_heads_per_rank(cfg, tp)
+    store = len(klt_key_layers(L)) * heads * (2 * D * D + 2 * 4 * D) + L * heads * D * (1 + 4 + 4) + 4 * D // 2
+    kernels = L * heads * (4 * D * D + 6 * 4 * D) + 4 * D // 2 if device != "cpu" else 0
+    return store + kernels
+
+
 def weight_params_per_rank(cfg: dict, tp: int) -> int:
     """Parameters one tensor-parallel rank holds (pp = 1), as the converter splits them."""
     h, L, I, V, D = (
@@ -130,7 +145,7 @@ def kv_pool_bytes(recipe, verifier: dict, draft: Optional[dict]) -> int:
     if draft is not None and recipe.speculative.tree != "none":
         per_token += kv_bytes_per_token(draft, recipe, 1, None, 4)
     exact = recipe.limits.max_batch_size * exact_bytes_per_sequence(verifier, recipe, 1)
-    return int(cache_tokens(recipe) * per_token) + exact
+    return int(cache_tokens(recipe) * per_token) + exact + klt_table_bytes(verifier, recipe, 1)
 
 
 def _dtype_bytes(spec, cfg: dict) -> int:
@@ -156,7 +171,7 @@ def runtime_bytes(recipe, verifier: dict, draft: Optional[dict], device: str = "
     weights: the models as loaded (a tied head once at tp 1, where the embedding reads it; on CPU in float32 with
       runtime.cpu_weights both, the linears twice);
     kv_pools: the verifier's pool in the recipe's format, the draft's in its compute dtype (max_batch_size
-      sequences of max_seq_len + a tree, in pages, + the padding page), the plan's exact copies;
+      sequences of max_seq_len + a tree, in pages, + the padding page), the plan's exact copies and KLT tables;
     dense: the per-sequence copy of a cache that the PyTorch attention reads (every cache on CPU; on CUDA a float
       cache, unless its steps are static: runtime.cuda_graphs) at its full length, max_batch_size + 1 rows;
     chunk: the K/V copy, in the compute dtype, of the one prompt (max_input_len) prefilling in chunks, both models;
@@ -183,6 +198,7 @@ def runtime_bytes(recipe, verifier: dict, draft: Optional[dict], device: str = "
     kv = int(cache_tokens(recipe) * (kv_token + draft_token)) + lim.max_batch_size * exact_bytes_per_sequence(
         verifier, recipe, tp
     )
+    kv += klt_table_bytes(verifier, recipe, tp, device)
     exact = bool(kvc.sink_tokens or kvc.recent_window)
     static = not cpu and getattr(rt, "cuda_graphs", "off") != "off" and tp == 1 and rt.executor == "torch" and not exact
     length = lim.max_seq_len + tree_tokens(recipe) + 1  # a DenseKV row: max_seq_len + a tree + 1
@@ -234,7 +250,7 @@ def plan(recipe, verifier: dict, draft: Optional[dict], device: Device, tp: Opti
     kv_token = kv_bytes_per_token(verifier, recipe, tp, recipe.kv_cache.format)
     draft_token = kv_bytes_per_token(draft, recipe, tp, None, db) if speculating else 0.0
     exact = exact_bytes_per_sequence(verifier, recipe, tp)
-    kv = tokens * (kv_token + draft_token) + lim.max_batch_size * exact
+    kv = tokens * (kv_token + draft_token) + lim.max_batch_size * exact + klt_table_bytes(verifier, recipe, tp, "cuda")
     # what the runtime adds on a GPU (runtime_bytes): dense copies of float caches it reads by PyTorch, a chunked
     # prompt's K/V copy, the largest forward's activations (the chunk budget's tokens, else a full batch's)
     rb = runtime_bytes(recipe, verifier, draft, "cuda", tp)

@@ -98,7 +98,7 @@ class KVCache(_Strict):
         "auto",
         description="keys stored in INT6: 'early' = those of the first third of the layers (with INT3 values "
         "to pay for them; which readers take them: bpcompile/core/kv_support.py). auto: early with INT5 keys and "
-        "key_transform: klt at tp 1, the default there (on SmolLM2 the three together kept "
+        "key_transform: klt, the default (on SmolLM2 the three together kept "
         "passkey retrieval within 2 points of FP16 KV's at every length), else none",
     )
     int3_values: Union[Annotated[float, Field(ge=0.0, le=1.0)], Literal["auto"]] = Field(
@@ -115,7 +115,7 @@ class KVCache(_Strict):
         "the same bytes per token plus a D x D table per unit (which readers take them: kv_support.py). "
         "With INT5 keys and int6_keys' auto: the keys of the first third INT6, KLT6 / KLT5 in "
         "layers 0-19 on SmolLM2, INT3 values outside the middle third (passkey within 2 points of "
-        "FP16 KV's at every length). auto: klt with INT5 keys at tp 1 unless int6_keys is none "
+        "FP16 KV's at every length). auto: klt with INT5 keys unless int6_keys is none "
         "(the default on the native target with the torch executor), else none; none gives the "
         "INT5-keys plan",
     )
@@ -288,8 +288,8 @@ class EngineConfig(_Strict):
         if kv.int5_keys == "auto":
             kv.int5_keys = "middle" if windowed else "none"
         int5 = kv.int5_keys == "middle"
-        # KLT keys only where measured: one rank (a rank's KV heads would need their own tables)
-        bundle = windowed and int5 and self.parallel.tp == 1 and self.kv_takes("klt5", "klt6", "int6", "int3")
+        # at tp > 1 each rank takes its KV heads' units and KLT tables (KVPlan.shard), so the bundle is the same
+        bundle = windowed and int5 and self.kv_takes("klt5", "klt6", "int6", "int3")
         if kv.key_transform == "auto":
             kv.key_transform = "klt" if bundle and kv.int6_keys != "none" else "none"
         klt = kv.key_transform == "klt"
