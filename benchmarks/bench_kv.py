@@ -83,7 +83,7 @@ def _nf4(x, clip):
 def study(model, calib, held, group_size):
     """Unit-level error of INT4 variants (same calibration search) and where top-1 disagreements happen."""
     from bpcompile.compiler.calibrate import LayerProbe, capture_qkv, key_channel_scale
-    from bpcompile.eval.evaluate import cached_forward
+    from bpcompile.eval.evaluate import served, served_logits
     from bpcompile.runtime.kvcache import KVPlan, fake_quantize
 
     c, H = model.cfg, _hadamard(model.cfg.head_size)
@@ -116,7 +116,12 @@ def study(model, calib, held, group_size):
     seqs = torch.tensor(held)
     plans = standard_plans(model, calib, group_size, fractions=(0.08,))
     ref_plan = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
-    ref = torch.cat([cached_forward(model, seqs[i : i + 8], ref_plan) for i in range(0, len(seqs), 8)])
+    T = seqs.shape[1]
+
+    def teacher(p):  # the runtime's executor over p's cache, 8 windows at a time
+        return [served_logits(served(model, p, 8, T), seqs[i : i + 8].tolist()) for i in range(0, len(seqs), 8)]
+
+    ref = torch.cat(teacher(ref_plan))
     top2 = ref.topk(2, -1).values
     margin = (top2[..., 0] - top2[..., 1]).flatten()
     p1 = ref.softmax(-1).amax(-1).flatten()
@@ -133,9 +138,7 @@ def study(model, calib, held, group_size):
             if isinstance(plans[name], KVPlan)
             else KVPlan.uniform(plans[name], c.num_layers, c.num_kv_heads, c.head_size)
         )
-        top = torch.cat(
-            [cached_forward(model, seqs[i : i + 8], p).argmax(-1) for i in range(0, len(seqs), 8)]
-        ).flatten()
+        top = torch.cat([x.argmax(-1) for x in teacher(p)]).flatten()
         dis = top != ref.argmax(-1).flatten()
         lines.append(
             f"| {name} | {100 * (1 - dis.float().mean()):.2f}% | {margin[dis].median():.3f} | {margin[dis].max():.3f} | "

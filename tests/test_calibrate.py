@@ -18,11 +18,12 @@ from bpcompile.compiler.calibrate import (
 from bpcompile.compiler.convert import convert_checkpoint
 from bpcompile.core.errors import UserError
 from bpcompile.eval.evaluate import (
-    cached_forward,
     evaluate,
     evaluate_engine,
     evaluate_engine_report,
     inject_key_outliers,
+    served,
+    served_logits,
 )
 from bpcompile.runtime.kvcache import KVPlan, fake_quantize
 from bpcompile.runtime.model import Llama, causal_attend
@@ -150,7 +151,7 @@ def test_quantized_cache_forward_and_eval(model):
     c = model.cfg
     tok = torch.tensor(samples(2, 24, 2))
     fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
-    assert (cached_forward(model, tok, fp16) - model.forward(tok)).abs().max() < 1e-2
+    assert (served_logits(served(model, fp16, 2, 24), tok.tolist()) - model.forward(tok)).abs().max() < 1e-2
     plan, _ = calibrate(model, samples(4, 32, 0), CFG)
     rep = evaluate(model, {"fp16": "fp16", "int4-naive": "int4-naive", "ours": plan}, samples(4, 24, 3), batch=2)
     rows = {r["name"]: r for r in rep["rows"]}

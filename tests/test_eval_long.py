@@ -16,7 +16,7 @@ from bpcompile.cli import main
 from bpcompile.compiler.calibrate import calibrate_engine_stage
 from bpcompile.compiler.convert import convert_checkpoint
 from bpcompile.core.store import artifact_hashes
-from bpcompile.eval.evaluate import _prefix_kv, decode_logits, passkey_trials
+from bpcompile.eval.evaluate import passkey_trials, served, served_logits
 from bpcompile.runtime.generator import Generator, SamplingParams
 from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 from bpcompile.runtime.model import Llama
@@ -49,41 +49,32 @@ def run_eval(engine, *args):
     return res
 
 
-def test_teacher_forced_decode_reads_what_the_runtime_decode_reads(verifier):
-    """decode_logits (prefill once, then the tail through the plan's store) must pick, at every step, the token
-    the runtime's greedy decode picks over the same quantized cache; with an FP16 cache it must match a plain
-    full-precision forward."""
-    prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    c = verifier.cfg
-    plan = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
-    gen = Generator(
-        verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64, kv_store_factory=kv_store_factory(plan)
-    )
-    out = gen.generate([prompt], SamplingParams(max_tokens=16))[0][0]
-    kv = _prefix_kv(verifier, prompt)
-    pred = decode_logits(verifier, kv, out[:-1], plan).argmax(-1).tolist()
-    assert pred == out[1:]  # the first token comes from the prefill, the rest from decode steps
-    fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
-    full = verifier.forward(torch.tensor([prompt + out]))[0, len(prompt) : -1]
-    torch.testing.assert_close(decode_logits(verifier, kv, out[:-1], fp16), full, atol=2e-2, rtol=0)
-
-
 @pytest.mark.parametrize("window", [0, 4])
-def test_passkey_greedy_answer_is_the_runtime_greedy_decode(verifier, window):
-    """greedy_answer (passkey's scoring: step by step through the plan's store, exact entries included) must
-    produce the runtime's greedy tokens over the same cache."""
+def test_teacher_forced_eval_reads_what_the_runtime_decode_reads(verifier, window):
+    """served_logits (the prompt prefilled, the tail fed in chains of 6 through the runtime's tree-verify forward)
+    must pick, at every step, the token the runtime's greedy decode (one token a step) picks over the same quantized
+    cache, exact entries included, and give the logits of the reference decoder built from positions alone; with
+    an FP16 cache it must match a plain full-precision forward."""
     from dataclasses import replace
 
-    from bpcompile.eval.evaluate import greedy_answer
+    from kv_oracle import decode_logits, prefix_kv
 
-    prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(window)).tolist()
     c = verifier.cfg
     plan = replace(KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size), recent_window=window)
     gen = Generator(
         verifier, None, TreeSpec("none"), max_batch_size=1, max_seq_len=64, kv_store_factory=kv_store_factory(plan)
     )
     out = gen.generate([prompt], SamplingParams(max_tokens=16))[0][0]
-    assert greedy_answer(verifier, _prefix_kv(verifier, prompt), out[:3], plan, 13) == out[3:]
+    got = served_logits(served(verifier, plan, 1, 56, 6), [prompt + out], len(prompt))[0, len(prompt) - 1 : -1]
+    assert got.argmax(-1).tolist() == out  # the first token comes from the prefill, the rest from decode steps
+    torch.testing.assert_close(
+        got[1:], decode_logits(verifier, prefix_kv(verifier, prompt), out[:-1], plan), atol=1e-3, rtol=0
+    )
+    fp16 = KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size)
+    full = verifier.forward(torch.tensor([prompt + out]))[0, len(prompt) : -1]
+    got16 = served_logits(served(verifier, fp16, 1, 56, 6), [prompt + out], len(prompt))[0, len(prompt) : -1]
+    torch.testing.assert_close(got16, full, atol=2e-2, rtol=0)
 
 
 def test_passkey_counts_the_key_as_a_number_of_its_own():
@@ -139,7 +130,8 @@ def test_eval_passkey_and_parity_on_tiny_sizes(engine):
     rep = json.loads(res.stdout)
     names = [r["name"] for r in rep["rows"]]
     assert names == ["fp16", "int4-naive", "engine plan (int4-fp8-outlier)"]
-    assert rep["text"].startswith("builtin:pydoc-topics held-out split")
+    assert rep["text"].startswith("builtin:pydoc-topics held-out split") and rep["calibration_domain"] is True
+    assert "(the calibration text's domain)" in rep["markdown"]
     pk = rep["passkey"]
     assert pk["lengths"] == [128, 256] and pk["trials"] == 2 and set(pk["accuracy"]) == set(names)
     assert all(0 <= a <= 1 for acc in pk["accuracy"].values() for a in acc.values())
@@ -169,6 +161,25 @@ def test_eval_text_file_is_used_and_named(engine, tmp_path):
     b = json.loads(run_eval(engine, "--plans", "fp8").stdout)
     assert str(f) in a["text"] and "sha256" in a["text"] and str(f) in a["markdown"]
     assert a["rows"][0]["ppl"] != b["rows"][0]["ppl"]  # other text, other perplexity
+    assert a["calibration_domain"] is False and "(not the calibration text's domain)" in a["markdown"]
+
+
+def test_calibration_domain_follows_the_engines_calibration_source(tmp_path):
+    from bpcompile.eval.evaluate import calibration_domain
+
+    text, other = tmp_path / "t.txt", tmp_path / "o.txt"
+    text.write_text("some text")
+    other.write_text("other text")
+    copy = tmp_path / "copy.txt"
+    copy.write_text("some text")
+    assert calibration_domain(tmp_path, None) and not calibration_domain(tmp_path, text)  # no recipe.yaml: builtin
+    for source, on_file, on_builtin in (
+        (text, True, False),
+        (other, False, False),
+        ("builtin:pydoc-topics", False, True),
+    ):
+        (tmp_path / "recipe.yaml").write_text(f"calibration: {{source: '{source}'}}\n")
+        assert calibration_domain(tmp_path, copy) is on_file and calibration_domain(tmp_path, None) is on_builtin
 
 
 @pytest.mark.parametrize(
@@ -218,19 +229,18 @@ def test_engine_tokenizer_keeps_the_chat_template(tmp_path):
 
 
 def test_exact_entries_in_the_teacher_forced_eval(verifier):
-    """cached_forward with exact entries: a window (or a sink) covering every position reads FP16 K/V everywhere, so
+    """served_logits with exact entries: a window (or a sink) covering every position reads FP16 K/V everywhere, so
     it equals the FP16 cache; a sink of 1 and a window of 8 lie in between, closer to FP16 than the plain plan."""
     from dataclasses import replace
 
-    from bpcompile.eval.evaluate import cached_forward
-
     c = verifier.cfg
-    tok = torch.randint(5, 4000, (2, 48), generator=torch.Generator().manual_seed(1))
+    tok = torch.randint(5, 4000, (2, 48), generator=torch.Generator().manual_seed(1)).tolist()
+    run = lambda plan: served_logits(served(verifier, plan, 2, 48, 6), tok)  # noqa: E731
     base = KVPlan.uniform("int4-naive", c.num_layers, c.num_kv_heads, c.head_size)
-    fp16 = cached_forward(verifier, tok, KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size))
-    quant = cached_forward(verifier, tok, base)
-    torch.testing.assert_close(cached_forward(verifier, tok, replace(base, recent_window=48)), fp16, atol=1e-4, rtol=0)
-    torch.testing.assert_close(cached_forward(verifier, tok, replace(base, sink_tokens=48)), fp16, atol=1e-4, rtol=0)
-    mid = cached_forward(verifier, tok, replace(base, sink_tokens=1, recent_window=8))
+    fp16 = run(KVPlan.uniform("fp16", c.num_layers, c.num_kv_heads, c.head_size))
+    quant = run(base)
+    torch.testing.assert_close(run(replace(base, recent_window=48)), fp16, atol=1e-4, rtol=0)
+    torch.testing.assert_close(run(replace(base, sink_tokens=48)), fp16, atol=1e-4, rtol=0)
+    mid = run(replace(base, sink_tokens=1, recent_window=8))
     assert (mid - fp16).abs().max() > 1e-2 and (mid - quant).abs().max() > 1e-2
     assert (mid - fp16).abs().mean() < (quant - fp16).abs().mean()

@@ -634,11 +634,12 @@ def test_dense_view_of_a_quantized_cache_is_what_the_store_holds(pair):
 def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
     """A plan with exact entries (an FP16 sink and recent window beside INT4 codes): the runtime's logits, verifier-only
     and through dynamic trees (ring writes, tree masks, moves of accepted entries, prompts longer than the ring), equal
-    those of eval's decode_logits, which builds its masks from positions alone; and the window changes them (the
+    those of the reference decoder (kv_oracle.decode_logits), which builds its masks from positions alone; and the window changes them (the
     same oracle without it is far off), so the test sees whether exact entries are read at all."""
     from dataclasses import replace
 
-    from bpcompile.eval.evaluate import _prefix_kv, decode_logits
+    from kv_oracle import decode_logits, prefix_kv
+
     from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
 
     v, d = pair
@@ -670,7 +671,7 @@ def test_exact_entries_read_what_the_eval_oracle_reads(pair, sink, window):
                     rows[o.request_id].append(o.generation_logits)
         for rid, prompt in ids.items():
             got = torch.cat(rows[rid])[1:]  # row 0 comes from the prefill, which attends unquantized K/V
-            kv = _prefix_kv(v, prompt)
+            kv = prefix_kv(v, prompt)
             assert torch.allclose(got, decode_logits(v, kv, toks[rid][:-1], plan), atol=1e-3)
             assert (got - decode_logits(v, kv, toks[rid][:-1], base)).abs().max() > 0.1
         # prefills always batch (at most one per prompt); steps do where the window holds their tokens (1 or up to 6)

@@ -1,13 +1,13 @@
-"""KV fidelity eval: run the verifier *through* a quantized cache and compare with FP16 KV.
+"""KV fidelity eval: run the verifier *through* a KV plan's cache as the runtime serves it, and compare with FP16 KV.
 
-Every layer's K/V is written to a real `KVStore` (quantize-and-append) and read back dequantized;
-each position attends to the dequantized cache of earlier positions and of itself (in decode a
-token's own K/V is appended before it is attended to, so it is quantized too). Per-token
-quantization makes this teacher-forced pass read exactly what sequential decode would read.
+Every figure comes from the runtime's own executor and paged store (`served`: the verifier-only Generator for the
+plan, the Triton kernels where they run): a text window's first token is prefilled, the rest are fed as chains of
+up to an engine's tree size per step through the tree-verify forward (`served_logits`), so each token reads the
+cache as sequential decode reads it; passkey answers and greedy parity are the Generator's own greedy decodes.
 
-Metrics per plan: held-out perplexity, teacher-forced top-1 agreement with the FP16-KV verifier,
-relative attention-output error per layer (same q/k/v, quantized vs FP16 cache), and compression
-from the bytes the store allocates. `inject_key_outliers` builds the function-preserving
+Metrics per plan: perplexity on a text, teacher-forced top-1 agreement with the FP16-KV verifier, relative
+attention-output error per layer (same queries over the stored vs the FP16-rounded K/V: `AttentionError`), and
+compression from the bytes the store allocates. `inject_key_outliers` builds the function-preserving
 outlier-injected model the INT4+FP8 plan must clearly win on.
 """
 
@@ -28,53 +28,100 @@ import torch.nn.functional as F
 
 from bpcompile.compiler.calibrate import KVCalibConfig, measure_units, plan_from_measurement
 from bpcompile.core.errors import UserError
-from bpcompile.runtime.kvcache import KVPlan, make_kv_store
-from bpcompile.runtime.model import Llama, causal_attend
-from bpcompile.runtime.paged_kv import RecentKV, allocated_compression, cache_pages, dense_attention, exact_reads  # noqa: F401
+from bpcompile.runtime.kvcache import KVPlan, kv_store_factory
+from bpcompile.runtime.model import Llama
+from bpcompile.runtime.paged_kv import allocated_compression, dense_attention
+from bpcompile.runtime.request import Request, SamplingParams
+from bpcompile.runtime.speculative import TreeSpec
 
-PAGE = 16
 STANDARD_FRACTIONS = (0.0, 0.04, 0.08, 0.16)
 UNROTATED = "unrotated int4+fp8 8%"  # the plan without the Hadamard rotation (rotation: none)
 
 
-def cached_forward(verifier: Llama, tokens: torch.Tensor, plan: KVPlan, layer_err: Optional[list] = None):
-    """Teacher-forced logits [B,T,V] with every layer's K/V going through the plan's store.
+def served(verifier: Llama, plan: KVPlan, batch: int, max_len: int, lookahead: int = 1):
+    """The runtime's verifier-only Generator over `plan`'s store: its executor and paged cache (the dense view or the
+    Triton kernels where `kernels_for` picks them, the exact copies of a plan with a sink or window) are what
+    `generate` runs for this plan. lookahead: the most tokens one step feeds a sequence (an engine's tree). The
+    executor runs eagerly: CUDA graphs replay the same kernels."""
+    from bpcompile.runtime.generator import Generator
 
-    layer_err: if given, a list of [sum |o - o_fp16|^2, sum |o_fp16|^2] per layer is accumulated, where
-    o_fp16 attends over the same k/v rounded to fp16 (the reference cache)."""
-    B, T = tokens.shape
-    c = verifier.cfg
-    store = make_kv_store(plan, c, math.ceil(B * T / PAGE), PAGE, verifier.device)
-    slots = torch.arange(B * T, device=tokens.device)
-
-    t = torch.arange(T, device=tokens.device)
-
-    def attend(layer, q, k, v):
-        store.write(
-            layer, slots, k.reshape(B * T, c.num_kv_heads, -1), v.reshape(B * T, c.num_kv_heads, -1), t.repeat(B)
-        )
-        kh, vh = (x.reshape(k.shape).to(q.dtype) for x in store.read(layer, slots))
-        if plan.has_exact:
-            o = attend_exact(q, kh, vh, k, v, plan, t, t, t[None, :] <= t[:, None])
-        else:
-            o = causal_attend(q, kh, vh)
-        if layer_err is not None:
-            ref = causal_attend(q, k.half().to(q.dtype), v.half().to(q.dtype))
-            layer_err[layer][0] += (o - ref).double().pow(2).sum().item()
-            layer_err[layer][1] += ref.double().pow(2).sum().item()
-        return o
-
-    return verifier.forward(tokens, attend=attend)
+    return Generator(
+        verifier,
+        None,
+        TreeSpec("none"),
+        max_batch_size=batch,
+        max_seq_len=max_len,
+        kv_store_factory=kv_store_factory(plan),
+        device=str(verifier.device),
+        prefix_reuse=False,
+        cuda_graphs="off",
+        lookahead=lookahead,
+    )
 
 
-def attend_exact(q, kh, vh, k, v, plan: KVPlan, q_pos, k_pos, visible) -> torch.Tensor:
-    """Attention of q [B, T, H, D] that reads the plan's exact entries as the runtime does (RecentKV): the FP16
-    copy of k, v where exact_reads says so, the stored kh, vh elsewhere (all [B, N, KV, D]); visible [T, N]."""
-    ex = exact_reads(q_pos, k_pos, plan.sink_tokens, plan.recent_window) & visible
-    rep = q.shape[2] // k.shape[2]
-    hide = lambda m: ~m.repeat_interleave(rep, dim=0)[None, None]  # noqa: E731  [1, 1, T * rep, N]
-    ke, ve = (x.half().to(q.dtype).transpose(1, 2) for x in (k, v))
-    return dense_attention(q, kh.transpose(1, 2), vh.transpose(1, 2), hide(visible & ~ex), exact=(ke, ve, hide(ex)))
+def served_logits(gen, seqs: list[list[int]], prefix: int = 1) -> torch.Tensor:
+    """Teacher-forced logits [B, T, V] (float32, CPU) of equally long token sequences through `gen`'s verifier
+    executor (`served`): the first `prefix` tokens prefilled (attending to their own unquantized K/V, as serving's
+    prefill does; their K/V stored in the plan's form), the rest fed as chains of up to gen.g_max tokens per step
+    through the speculative step's tree-verify forward, so every later token reads the cache as sequential decode
+    reads it."""
+    ex, T, G = gen.v_exec, len(seqs[0]), gen.g_max
+    reqs = [Request(f"eval{b}", s[:prefix], SamplingParams(), None) for b, s in enumerate(seqs)]
+    out = [ex.prefill(reqs, False, all_logits=True).float().cpu()]
+    try:
+        for s in range(prefix, T, G):
+            g, at = min(G, T - s), list(range(s, min(s + G, T)))
+            for r in reqs:
+                ex.kv.ensure(r.id, s + g)
+            chain = [[(2 << i) - 1 for i in range(g)]] * len(reqs) if g > 1 else None  # node i sees nodes <= i
+            logits = ex.forward(
+                reqs,
+                [x[s : s + g] for x in seqs],
+                [at] * len(reqs),
+                [at] * len(reqs),
+                [s] * len(reqs),
+                [g] * len(reqs),
+                chain,
+            )
+            out.append(logits.float().cpu())
+    finally:
+        for r in reqs:
+            ex.kv.release(r.id)
+    return torch.cat(out, 1)
+
+
+class AttentionError:
+    """Wraps an executor's model: each layer's attention output next to the same queries over the FP16-rounded K/V
+    of every position so far (the reference cache), summed as [sum |o - o_ref|^2, sum |o_ref|^2] per layer. For
+    sequences fed in order from position 0 (`served_logits`)."""
+
+    def __init__(self, model: Llama, batch: int, length: int):
+        c = model.cfg
+        self.model, self.err = model, [[0.0, 0.0] for _ in range(c.num_layers)]
+        shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_size)
+        self.k = torch.zeros(shape, dtype=torch.float16, device=model.device)
+        self.v = torch.zeros_like(self.k)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, tok, pos, attend, **kw):
+        B, T = tok.shape
+        s = 0 if pos is None else int(pos[0, 0])
+        n = torch.arange(s + T, device=tok.device)
+        seen = n[None, :] <= n[s:, None]  # [T, s + T]: a query sees every position up to its own
+
+        def probe(layer, q, k, v):
+            o = attend(layer, q, k, v)
+            self.k[layer, :B, :, s : s + T], self.v[layer, :B, :, s : s + T] = k.transpose(1, 2), v.transpose(1, 2)
+            kr, vr = (x[layer, :B, :, : s + T].to(q.dtype) for x in (self.k, self.v))
+            hidden = ~seen.repeat_interleave(q.shape[2] // k.shape[2], 0)[None, None]
+            ref = dense_attention(q, kr, vr, hidden)
+            self.err[layer][0] += (o - ref).double().pow(2).sum().item()
+            self.err[layer][1] += ref.double().pow(2).sum().item()
+            return o
+
+        return self.model(tok, pos, attend=probe, **kw)
 
 
 def _fp16_plan(c) -> KVPlan:
@@ -100,24 +147,27 @@ def evaluate(
         for n, p in plans.items()
     }
     seqs = torch.tensor(heldout_token_ids, dtype=torch.long)
-    ref_plan = _fp16_plan(c)
+    rows_of = [heldout_token_ids[i : i + batch] for i in range(0, len(seqs), batch)]
+    B, T = min(batch, len(seqs)), seqs.shape[1]
     ref_logp = []  # reference: FP16 KV cache
-    for i in range(0, len(seqs), batch):
-        ref_logp.append(
-            F.log_softmax(cached_forward(verifier, seqs[i : i + batch].to(verifier.device), ref_plan).cpu().float(), -1)
-        )
+    gen = served(verifier, _fp16_plan(c), B, T, lookahead)
+    for part in rows_of:
+        ref_logp.append(F.log_softmax(served_logits(gen, part), -1))
     rows = []
     for name, plan in plans.items():
-        seq_nll, seq_kl, agree, errs = [], [], 0, [[0.0, 0.0] for _ in range(c.num_layers)]
-        for b, i in enumerate(range(0, len(seqs), batch)):
-            tok = seqs[i : i + batch].to(verifier.device)
-            logits = cached_forward(verifier, tok, plan, errs).cpu().float()
+        seq_nll, seq_kl, agree = [], [], 0
+        gen = served(verifier, plan, B, T, lookahead)
+        probe = gen.v_exec.model = AttentionError(verifier, B, T)
+        for b, part in enumerate(rows_of):
+            tok = torch.tensor(part, dtype=torch.long)
+            logits = served_logits(gen, part)
             logp = F.log_softmax(logits, -1)
-            seq_nll += (-logp[:, :-1].gather(-1, tok[:, 1:, None].cpu())).sum((1, 2)).tolist()
+            seq_nll += (-logp[:, :-1].gather(-1, tok[:, 1:, None])).sum((1, 2)).tolist()
             agree += (logits.argmax(-1) == ref_logp[b].argmax(-1)).sum().item()
             # KL(FP16-KV || this cache) per position: the whole distribution's shift, which moves smoothly
             # with the quantization error where perplexity's sign at the +0.1% level is luck.
             seq_kl += F.kl_div(logp, ref_logp[b], log_target=True, reduction="none").sum((1, 2)).tolist()
+        errs = probe.err
         n = seqs[:, 1:].numel()
         nll, kl = sum(seq_nll), sum(seq_kl)
         rows.append(
@@ -177,8 +227,8 @@ def markdown_table(report: dict) -> str:
         )
     lines.append(
         f"\n{report['sequences']} sequences x {report['seq_len']} tokens ({report['tokens']} positions) of "
-        f"{report.get('text', 'held-out text')}; agreement is against the same model with an FP16 KV cache. "
-        + _allocation_note(report.get("compression_at"))
+        f"{report.get('text', 'held-out text')}{_domain_note(report.get('calibration_domain'))}; agreement is "
+        "against the same model with an FP16 KV cache. " + _allocation_note(report.get("compression_at"))
     )
     return "\n".join(lines)
 
@@ -229,9 +279,9 @@ def inject_key_outliers(verifier: Llama, factor: float = 20.0, heads=None, pairs
 
 
 # ---- passkey retrieval and greedy-continuation parity ---------------------------------------
-# Both mirror what serving does with a cache: the prompt is prefilled attending to its own unquantized
-# K/V (as the runtime's and TensorRT-LLM's context phase do) while its K/V is stored in the plan's
-# format; every later token reads the stored (dequantized) cache, its own K/V included.
+# Both run the runtime's Generator over the plan's cache: the prompt is prefilled attending to its own
+# unquantized K/V (as the runtime's and TensorRT-LLM's context phase do) while its K/V is stored in the plan's
+# format; every later token reads the stored cache, its own K/V included.
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY_INTRO = (
@@ -283,80 +333,6 @@ def passkey_trials(tok, length: int, trials: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def _prefix_kv(verifier: Llama, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Prefill: each layer's (k, v) [P, KV, D] of the prompt, attending to its own unquantized K/V."""
-    kv = []
-
-    def capture(layer, q, k, v):
-        kv.append((k[0], v[0]))
-        return causal_attend(q, k, v)
-
-    verifier.forward(torch.tensor([ids], device=verifier.device), attend=capture, last_only=True)
-    return kv
-
-
-class PlanDecoder:
-    """Decode steps after a prefilled prompt through `plan`'s store: the prompt's K/V (from _prefix_kv) is
-    stored in the plan's format once; each step appends its tokens' K/V, then they attend to the dequantized
-    cache (the plan's exact entries read from an FP16 copy, as the runtime does). A step of T tokens reads
-    exactly what T sequential decode steps would; capacity is the prompt plus `max_new` tokens.
-
-    Every format's stored entry decodes on its own (its scales are per token and unit), so each entry is
-    dequantized once, when written, and kept: a step costs its own tokens' reads, not the whole cache's."""
-
-    def __init__(self, verifier: Llama, prefix_kv: list, plan: KVPlan, max_new: int):
-        c, self.dev, self.verifier, self.plan = verifier.cfg, verifier.device, verifier, plan
-        self.n = prefix_kv[0][0].shape[0]
-        self.store = make_kv_store(plan, c, math.ceil((self.n + max_new) / PAGE), PAGE, self.dev)
-        prompt = torch.arange(self.n, device=self.dev)
-        self.read = []  # per layer: [k, v] [N, KV, D] as read back from the store, in the model's dtype
-        for layer, (k, v) in enumerate(prefix_kv):
-            self.store.write(layer, prompt, k, v, prompt)
-            self.read.append([x.to(verifier.dtype) for x in self.store.read(layer, prompt)])
-        self.exact = [list(kv) for kv in prefix_kv] if plan.has_exact else None
-        self.capacity = self.n + max_new
-
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        """Logits [T, V] of `tokens` appended after everything stepped so far."""
-        N = self.n + len(tokens)
-        if N > self.capacity:
-            raise ValueError(f"PlanDecoder: {N} positions exceed the capacity of {self.capacity}")
-        slots, new = torch.arange(N, device=self.dev), torch.arange(self.n, N, device=self.dev)
-        visible = slots[None, :] <= new[:, None]  # [T, N]: token i sees the prompt and tokens <= i
-        plan = self.plan
-
-        def attend(layer, q, k, v):
-            self.store.write(layer, new, k[0], v[0], new)
-            rd = self.read[layer]
-            rd[0], rd[1] = (torch.cat([old, x.to(q.dtype)]) for old, x in zip(rd, self.store.read(layer, new)))
-            if self.exact is not None:
-                ex = self.exact[layer]
-                ex[0], ex[1] = torch.cat([ex[0], k[0]]), torch.cat([ex[1], v[0]])
-                return attend_exact(q, rd[0][None], rd[1][None], ex[0][None], ex[1][None], plan, new, slots, visible)
-            kh, vh = (x.transpose(0, 1) for x in rd)  # [KV, N, D]
-            rep = q.shape[2] // kh.shape[0]
-            kh, vh = kh.repeat_interleave(rep, 0)[None], vh.repeat_interleave(rep, 0)[None]
-            return F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=visible).transpose(1, 2)
-
-        out = self.verifier.forward(torch.tensor([tokens], device=self.dev), new[None], attend=attend)[0]
-        self.n = N
-        return out
-
-
-def decode_logits(verifier: Llama, prefix_kv: list, tail: list[int], plan: KVPlan) -> torch.Tensor:
-    """Teacher-forced decode of `tail` after a prefilled prompt through `plan`'s store -> logits [T, V]."""
-    return PlanDecoder(verifier, prefix_kv, plan, len(tail)).step(tail)
-
-
-def greedy_answer(verifier: Llama, prefix_kv: list, answer_prefix: list[int], plan: KVPlan, tokens: int) -> list[int]:
-    """The answer prefix teacher-forced after the prompt, then `tokens` greedy tokens through the plan."""
-    dec = PlanDecoder(verifier, prefix_kv, plan, len(answer_prefix) + tokens)
-    out = [int(dec.step(answer_prefix)[-1].argmax())]
-    while len(out) < tokens:
-        out.append(int(dec.step(out[-1:])[-1].argmax()))
-    return out
-
-
 def _progress(msg: str) -> None:
     """Long evaluation stages report on stderr (stdout carries the report)."""
     print(f"bpcompile eval: {msg}", file=sys.stderr, flush=True)
@@ -370,11 +346,12 @@ def key_in(text: str, key: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(key)}(?!\d)", text) is not None
 
 
-def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, seed: int = 0) -> dict:
+def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, seed: int = 0, batch: int = 8) -> dict:
     """Per plan and length: share of trials whose greedy answer (PASSKEY_ANSWER_TOKENS tokens after "The pass
     key is") contains the key ("accuracy", retrieval as passkey benchmarks score it), and share whose answer
-    starts with the key verbatim ("verbatim": stricter, it also scores the wording). The prompt is prefilled
-    once per trial; only the answer's decode steps run once per plan."""
+    starts with the key verbatim ("verbatim": stricter, it also scores the wording). The answer is what the
+    runtime's `generate` decodes greedily over the plan's cache (`served`) for the prompt up to "The pass key
+    is", `batch` trials at a time."""
     plans = _as_plans(verifier, plans)
     res = {
         "lengths": list(lengths),
@@ -389,14 +366,15 @@ def passkey_accuracy(verifier: Llama, plans: dict, tok, lengths, trials: int, se
     for L in lengths:
         hits, verbatim = {n: [] for n in plans}, dict.fromkeys(plans, 0)
         ts = passkey_trials(tok, L, trials, seed)
-        t0 = time.perf_counter()
-        for i, t in enumerate(ts):
-            if i and i % 10 == 0:
-                _progress(f"passkey {L}: {i}/{len(ts)} trials ({time.perf_counter() - t0:.0f}s)")
-            ids, P, ks = t["ids"], t["prompt_len"], t["key_start"]
-            kv = _prefix_kv(verifier, ids[:P])
-            for name, plan in plans.items():
-                out = greedy_answer(verifier, kv, ids[P:ks], plan, PASSKEY_ANSWER_TOKENS)
+        prompts = [t["ids"][: t["key_start"]] for t in ts]
+        greedy = SamplingParams(max_tokens=PASSKEY_ANSWER_TOKENS, temperature=0.0)
+        for name, plan in plans.items():
+            t0 = time.perf_counter()
+            gen = served(verifier, plan, min(batch, trials), max(map(len, prompts)) + PASSKEY_ANSWER_TOKENS)
+            outs = [o for o, _ in gen.generate(prompts, greedy)]
+            _progress(f"passkey {L}: {name}, {trials} trials ({time.perf_counter() - t0:.0f}s)")
+            for t, out in zip(ts, outs):
+                ids, ks = t["ids"], t["key_start"]
                 hits[name].append(int(key_in(tok.decode(out), t["key"])))
                 verbatim[name] += out[: len(ids) - ks] == ids[ks:]
         res["mean_prompt_tokens"][str(L)] = round(sum(t["prompt_len"] for t in ts) / max(1, len(ts)), 1)
@@ -437,23 +415,11 @@ def greedy_parity(verifier: Llama, plans: dict, prompts: list[list[int]], tokens
     """Per plan: share of `tokens`-token greedy continuations identical to the FP16-KV one, and the mean
     length of the identical prefix. Runs the runtime's Generator (verifier-only, greedy) over each plan's
     real paged store, so it measures the cache serving uses."""
-    from bpcompile.runtime.generator import Generator, SamplingParams
-    from bpcompile.runtime.kvcache import kv_store_factory
-    from bpcompile.runtime.speculative import TreeSpec
-
     plans = _as_plans(verifier, {"fp16": "fp16", **plans})
     outs = {}
     for name, plan in plans.items():
         _progress(f"parity: {name} ({len(prompts)} prompts x {tokens} tokens)")
-        gen = Generator(
-            verifier,
-            None,
-            TreeSpec("none"),
-            max_batch_size=max(1, min(batch, len(prompts))),
-            max_seq_len=max(map(len, prompts)) + tokens + 1,
-            kv_store_factory=kv_store_factory(plan),
-            device=str(verifier.device),
-        )
+        gen = served(verifier, plan, max(1, min(batch, len(prompts))), max(map(len, prompts)) + tokens + 1)
         outs[name] = [toks for toks, _ in gen.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))]
     ref = outs["fp16"]
     return {
@@ -528,7 +494,8 @@ def _long_markdown(report: dict) -> str:
 
 # ---- engine report ----------------------------------------------------------------------------
 
-BUILTIN_TEXT = "builtin:pydoc-topics held-out split"
+BUILTIN_SOURCE = "builtin:pydoc-topics"
+BUILTIN_TEXT = f"{BUILTIN_SOURCE} held-out split"
 
 
 def _text(text_file) -> tuple[list[str], str]:
@@ -541,6 +508,33 @@ def _text(text_file) -> tuple[list[str], str]:
     import hashlib
 
     return docs, f"{text_file} (sha256 {hashlib.sha256(docs[0].encode()).hexdigest()[:16]})"
+
+
+def calibration_domain(engine_dir: Path, text_file) -> bool:
+    """Whether the evaluation text is the engine's calibration source's domain: the builtin held-out split for an
+    engine calibrated on builtin:pydoc-topics (recipe.yaml as built; the default where it is missing), a file
+    for an engine calibrated on a file with the same bytes."""
+    import hashlib
+
+    import yaml
+
+    try:
+        src = yaml.safe_load((engine_dir / "recipe.yaml").read_text())["calibration"]["source"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        src = BUILTIN_SOURCE
+    if text_file is None or src == BUILTIN_SOURCE:
+        return text_file is None and src == BUILTIN_SOURCE
+    digest = lambda f: hashlib.sha256(Path(f).read_bytes()).hexdigest()  # noqa: E731
+    try:
+        return digest(src) == digest(text_file)
+    except OSError:  # the calibration file is gone: nothing shows it is the same text
+        return False
+
+
+def _domain_note(domain: Optional[bool]) -> str:
+    if domain is None:
+        return ""
+    return " (the calibration text's domain)" if domain else " (not the calibration text's domain)"
 
 
 def _pick(plans: dict, only) -> dict:
@@ -634,6 +628,7 @@ def evaluate_engine_report(
     report = evaluate(verifier, chosen, windows, seq_len=seq_len, lookahead=lookahead, sequences=sequences)
     report["engine"] = str(engine_dir)
     report["text"] = what
+    report["calibration_domain"] = calibration_domain(engine_dir, text)
     if passkey_lengths or parity_prompts:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging

@@ -109,6 +109,7 @@ class Generator:
         salt: str = "",
         cuda_graphs: str = "auto",
         prefill_chunk: int = 0,
+        lookahead: int = 0,
     ):
         """kv_store_factory makes the verifier's KVStore; the draft's comes from draft_kv_store_factory (a KV
         plan describes one model's layers and heads); either defaults to a FloatKVStore in the model's dtype.
@@ -125,7 +126,9 @@ class Generator:
         captured as CUDA graphs on CUDA and run eagerly on CPU; auto = on for CUDA where the configuration allows
         it; on where it does not is a UserError naming why.
         prefill_chunk: prompt tokens prefilled per step at most (chunked.py), interleaved with the running
-        sequences' steps; 0: every admitted prompt prefills whole in the step that admits it."""
+        sequences' steps; 0: every admitted prompt prefills whole in the step that admits it.
+        lookahead: entries one step may write per sequence when more than the tree's (eval feeds a text through
+        `v_exec.forward` in chains of an engine's tree size without a draft); the caches are sized for it."""
         if executor not in EXECUTORS:
             raise UserError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}", key="executor")
         if executor == "onnxruntime" and graphs is None:
@@ -145,7 +148,7 @@ class Generator:
         self.draft = draft.to(self.device) if (draft is not None and self.tree.kind != "none") else None
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
         self.max_input_len = max_input_len or max_seq_len - 1
-        self.g_max = self.tree.draft_tokens + 1
+        self.g_max = max(self.tree.draft_tokens + 1, lookahead)
         self.num_pages = num_pages or cache_pages(max_batch_size, max_seq_len, self.g_max, page_size)
         if cuda_graphs not in STATIC_MODES:
             raise UserError(
