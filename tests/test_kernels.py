@@ -493,9 +493,12 @@ def test_trt_plugin_is_not_pretended(tmp_path, monkeypatch):
 KLT_PRECISION = [{"k": ["klt6", "klt5"], "v": ["int3", "int4"]}, {"k": ["klt4", "int6"], "v": ["int5", "fp8"]}]
 
 
-def klt_store(num_pages: int = 24, page_size: int = 16, seed: int = 0, group_size: int = 64) -> QuantKVStore:
+def klt_store(
+    num_pages: int = 24, page_size: int = 16, seed: int = 0, group_size: int = 64, rank: tuple | None = None
+) -> QuantKVStore:
     """A rotated plan with KLT6 / KLT5 / KLT4 key units beside INT6, INT5, INT4, INT3 and FP8 units, random tables
-    as calibration shapes them (an orthonormal basis, water-filled bits, variances spanning orders of magnitude)."""
+    as calibration shapes them (an orthonormal basis, water-filled bits, variances spanning orders of magnitude).
+    rank: (rank, tp), that tensor-parallel rank's shard of the plan."""
     from bpcompile.compiler.calibrate import water_filling_bits
 
     g = torch.Generator().manual_seed(seed)
@@ -531,7 +534,7 @@ def klt_store(num_pages: int = 24, page_size: int = 16, seed: int = 0, group_siz
         k_mean=torch.randn(L, KV, D, generator=g),
         klt=t,
     )
-    return QuantKVStore(plan, num_pages, page_size)
+    return QuantKVStore(plan.shard(*rank) if rank else plan, num_pages, page_size)
 
 
 def klt_keys(n: int, g: torch.Generator, st: QuantKVStore, positions: torch.Tensor) -> torch.Tensor:
@@ -557,6 +560,36 @@ def test_quantize_append_klt_is_bit_exact():
     assert all(ref.payload[c].any() for c in set(ref.unit_precision.flatten().tolist()))  # every pool written
     K.quantize_append(ker, 0, slots[:3], k[:3], v[:3], positions[:3] + 1)  # the dither follows the position
     assert not same_bytes(ref, ker)
+
+
+def test_a_ranks_shard_codes_and_reads_its_head_as_the_whole_model_does():
+    """Rank 1 of tp 2 holds KV head 1 (first_kv_head 1 of 2): its store codes that head's units, KLT keys included,
+    into the bytes the whole model's store gives them (the dither keyed by the model's unit ids), the kernels into
+    the same bytes as its torch store; attention over its head reads what the whole store's gives those heads."""
+    whole, ref, ker = klt_store(), klt_store(rank=(1, 2)), klt_store(rank=(1, 2))
+    assert (ref.num_kv_heads, ref.plan.first_kv_head, ref.plan.total_kv_heads) == (1, 1, 2)
+    g = torch.Generator().manual_seed(6)
+    N, G, H = 40, 4, 4  # 36 context tokens then 4 causal ones; 2 query heads per KV head
+    slots, pos = torch.arange(N), torch.arange(N) * 3 + 5
+    k, v = klt_keys(N, g, whole, pos), torch.randn(N, KV, D, generator=g)
+    for layer in range(L):
+        whole.write(layer, slots, k, v, pos)
+        ref.write(layer, slots, k[:, 1:], v[:, 1:], pos)
+        K.quantize_append(ker, layer, slots, k[:, 1:], v[:, 1:], pos)
+    assert same_bytes(ref, ker)
+    for layer in range(L):
+        for kv in range(2):
+            c = int(whole.unit_precision[layer, kv, 1])
+            a, b = int(whole.unit_index[layer, kv, 1]), int(ref.unit_index[layer, kv, 0])
+            assert torch.equal(whole.payload[c][:, a], ref.payload[c][:, b]), (layer, kv)
+            assert torch.equal(whole.scales[c][:, a], ref.scales[c][:, b]), (layer, kv)
+    q = torch.randn(1, G, H, D, generator=g)
+    bt, ctx, nt = torch.arange(whole.num_pages)[None].int(), torch.tensor([N - G]), torch.tensor([G])
+    for layer in range(L):
+        full = paged_attention_reference(q, whole, layer, bt, ctx, None, nt, D**-0.5)[:, :, 2:]
+        mine = paged_attention_reference(q[:, :, 2:], ref, layer, bt, ctx, None, nt, D**-0.5)
+        assert torch.equal(mine, full)
+        assert attention_error(K.paged_attention(q[:, :, 2:], ker, layer, bt, ctx, None, nt, D**-0.5), full) <= 1e-4
 
 
 def exact_setup(st, ctxs, trees, G, H, sink, window, seed=0):

@@ -105,6 +105,8 @@ def test_kv_plan_shard_takes_each_ranks_heads():
     r5 = plan.shard(5, 8)  # tp 8 over 4 KV heads: each head on two adjacent ranks; rank 5 holds head 2
     assert r5.num_kv_heads == 1 and r5.precision[1] == {"k": ["int4"], "v": ["int4"]}
     assert torch.equal(r5.k_channel_scale, plan.k_channel_scale[:, 2:3])
+    # each records its first KV head and the model's, which number its units for the KLT dither
+    assert [(p.first_kv_head, p.total_kv_heads) for p in (plan, r1, r5)] == [(0, 4), (2, 4), (2, 4)]
     # the per-rank plans' bytes add up to the whole plan's (no unit lost or counted twice at tp <= KV)
     assert sum(plan.shard(r, 2).bytes_per_token() for r in range(2)) == plan.bytes_per_token()
     # KLT key units: each rank takes its heads' tables (the frequencies are every head's)
@@ -132,9 +134,9 @@ def test_tp2_is_token_identical_on_the_tiny_pair(tiny_tp2):
 def test_tp2_default_plan_is_token_identical_to_tp1(tiny_tp2_default):
     """The default KV plan at tp 2 (the tiny pair's 4 layers: keys KLT6 in layer 0, KLT5 in 1-2, INT4 in 3; INT3 /
     INT4 values; a recent window of 10 exact entries): each rank its KV head's units and KLT tables; 8 prompts x 16
-    tokens, dynamic tree of 5, the tokens of tp 1 with the same plan. (A rank keys the KLT dither by its own unit
-    ids, so rank 1's rounding noise is not tp 1's: equal tokens here, not bit-equal codes; wrong tables would
-    depart at once.)"""
+    tokens, dynamic tree of 5, the tokens of tp 1 with the same plan (each rank keys the KLT dither by the model's
+    unit ids, so it codes its head as tp 1 does: tests/test_kernels.py compares a shard's codes with the whole
+    store's bit for bit; wrong tables would depart at once)."""
     cfg = json.loads((tiny_tp2_default / "engine.json").read_text())["kv_cache"]
     assert (cfg["key_transform"], cfg["int6_keys"], cfg["int5_keys"], cfg["recent_window"]) == (
         "klt",
@@ -159,9 +161,9 @@ def test_tp2_default_plan_is_token_identical_to_tp1(tiny_tp2_default):
 
 
 def test_tp2_is_token_identical_on_a_gqa_pair_with_head_size_24(tmp_path):
-    """Random Llamas with head size 24 (not a power of two): verifier 6 query / 2 KV heads, draft 2 / 1; INT5 / INT4
-    keys, a window of 10. Without KLT keys: their dither is keyed by a rank's own unit ids, so at tp 2 their rounding
-    noise is not tp 1's, and on this 2-layer pair one prompt of 50 departs from tp 1's tokens."""
+    """Random Llamas with head size 24 (not a power of two): verifier 6 query / 2 KV heads, draft 2 / 1; the default
+    KV plan (KLT6 keys in layer 0, a window of 10). Each rank numbers its KLT units as the whole model does for their
+    dither, so rank 1 rounds its head as tp 1 does (keyed by a rank's own unit ids, one prompt of 50 departed)."""
     v = make_model(
         tmp_path / "verifier",
         vocab=300,
@@ -189,15 +191,13 @@ def test_tp2_is_token_identical_on_a_gqa_pair_with_head_size_24(tmp_path):
         recipe.read_text()
         .replace("parallel: {tp: 1, pp: 1}", "parallel: {tp: 2, pp: 1}")
         .replace("max_batch_size: 4,", "max_batch_size: 16,")
-        .replace(
-            "kv_cache: {format: fp16}",
-            "kv_cache: {format: int4-fp8-outlier, group_size: 24, page_size: 8, key_transform: none}",
-        )
+        .replace("kv_cache: {format: fp16}", "kv_cache: {format: int4-fp8-outlier, group_size: 24, page_size: 8}")
         + "calibration: {source: 'builtin:pydoc-topics', samples: 4, length: 64}\n"
     )
     engine = build(recipe).path
     cfg = json.loads((engine / "verifier" / "config.json").read_text())
     assert cfg["mapping"]["tp_size"] == 2 and cfg["head_size"] == 24
+    assert KVPlan.load(engine / "kv_plan").precision[0]["k"] == ["klt6", "klt6"]
     same, _ = _compare(engine)
     assert same == N_PROMPTS
 

@@ -85,13 +85,14 @@ def _qmax(bits):
 # Triton's JIT compiles a kernel per specialization of its run-time arguments too (an int equal to 1 becomes a
 # constant, an int or pointer divisible by 16 gets an alignment hint), so the arguments whose values change from
 # call to call (token and row counts, the layer, the query rows, the split size, table widths, index tensors that
-# may be views at any offset) are left unspecialized: the kernels a process compiles are then fixed by the
-# constexprs alone, which `warm_up` enumerates when an engine loads on CUDA. Strides and the K/V/query/pool
-# pointers keep their hints: they are multiples of the head size (a power of two >= 32) in every call.
+# may be views at any offset) and the KLT dither's head numbering (it differs between tensor-parallel ranks) are
+# left unspecialized: the kernels a process compiles are then fixed by the constexprs alone, which `warm_up`
+# enumerates when an engine loads on CUDA. Strides and the K/V/query/pool pointers keep their hints: they are
+# multiples of the head size (a power of two >= 32) in every call.
 _INDEX = ["slots", "block_tables", "context_lens", "tree_mask", "num_tree", "num_q", "positions", "seq_row"]
 
 
-@triton.jit(do_not_specialize=["N", "layer"], do_not_specialize_on_alignment=_INDEX)
+@triton.jit(do_not_specialize=["N", "layer", "dither_kvh", "dither_head0"], do_not_specialize_on_alignment=_INDEX)
 def _quantize_append_kernel(
     K,
     V,
@@ -138,6 +139,8 @@ def _quantize_append_kernel(
     klt_bits,
     klt_offset,
     klt_step,  # KLT: each slot's position [P, PAGE] int32; per key unit bits / stream offsets / steps [L, KVH, D]
+    dither_kvh,
+    dither_head0,  # KLT: the model's KV heads and this store's first (a tensor-parallel rank's), for the dither
     PAGE: tl.constexpr,
     D: tl.constexpr,
     GS: tl.constexpr,
@@ -155,6 +158,7 @@ def _quantize_append_kernel(
     kv = unit // KVH
     head = unit % KVH
     u = (layer * 2 + kv) * KVH + head
+    u_model = (layer * 2 + kv) * dither_kvh + dither_head0 + head  # the unit's id in the whole model: its dither's
     prec = tl.load(unit_precision + u).to(tl.int32)
     idx = tl.load(unit_index + u).to(tl.int64)
     clip = tl.load(int4_clip + u)
@@ -288,7 +292,7 @@ def _quantize_append_kernel(
             qm = qm_lo if h == 0 else qm_hi
             o = o_lo if h == 0 else o_hi
             tt = kf[:, None] * st[None, :]
-            v = tl.math.div_rn(x, tl.where(tt > 0, tt, 1.0)) + _dither(pos, u, j + h * HALF)
+            v = tl.math.div_rn(x, tl.where(tt > 0, tt, 1.0)) + _dither(pos, u_model, j + h * HALF)
             q = (tl.minimum(tl.maximum(v, -qm[None, :]), qm[None, :]) + 12582912.0) - 12582912.0
             q = tl.where((bits[None, :] >= 2) & (tt > 0), q, 0.0)
             n = tl.where(
@@ -448,7 +452,7 @@ def _quant_scores(
 
 
 @triton.jit(
-    do_not_specialize=["nrows", "stride_bt", "layer", "G", "W", "chunk", "stride_tp"],
+    do_not_specialize=["nrows", "stride_bt", "layer", "G", "W", "chunk", "stride_tp", "dither_kvh", "dither_head0"],
     do_not_specialize_on_alignment=_INDEX + ["q_pos", "tree_pos"],
 )
 def _paged_attention_kernel(
@@ -514,6 +518,8 @@ def _paged_attention_kernel(
     klt_weight,
     klt_mean,
     inv_freq,  # KLT (KLT == 1): slot positions [P, PAGE]; per key unit tables [L, KVH, D] / basis [L, KVH, D, D]
+    dither_kvh,
+    dither_head0,  # and the model's KV heads and this store's first (a tensor-parallel rank's), for the dither
     rec_k,
     rec_v,
     seq_row,
@@ -603,6 +609,7 @@ def _paged_attention_kernel(
         kw_lo, kw_hi = tl.load(klt_weight + kt + j), tl.load(klt_weight + kt + HALF + j)
         km_lo, km_hi = tl.load(klt_mean + kt + j), tl.load(klt_mean + kt + HALF + j)
         invf = tl.load(inv_freq + j)
+        uk_model = layer * 2 * dither_kvh + dither_head0 + kvh  # the key unit's id in the whole model: its dither's
         # z @ V^T: the transposed blocks of the basis V [D (channel), D (coefficient)]
         V_ll, V_lh, V_hl, V_hh = _square(klt_basis + kt * D, j, D, HALF)
         Vt_ll, Vt_lh, Vt_hl, Vt_hh = tl.trans(V_ll), tl.trans(V_hl), tl.trans(V_lh), tl.trans(V_hh)
@@ -642,8 +649,8 @@ def _paged_attention_kernel(
             if kprec >= 6:
                 kpos = tl.load(positions + page * PAGE + off, mask=tok, other=0).to(tl.int64)
                 ks = tl.load(k_sc + krow, mask=tok, other=0.0).to(tl.float32)
-                z_lo = _klt_half(k_rows, m2, k_rb, ks, kpos, uk, j, kb_lo, ko_lo, kst_lo, klv_lo)
-                z_hi = _klt_half(k_rows, m2, k_rb, ks, kpos, uk, j + HALF, kb_hi, ko_hi, kst_hi, klv_hi)
+                z_lo = _klt_half(k_rows, m2, k_rb, ks, kpos, uk_model, j, kb_lo, ko_lo, kst_lo, klv_lo)
+                z_hi = _klt_half(k_rows, m2, k_rb, ks, kpos, uk_model, j + HALF, kb_hi, ko_hi, kst_hi, klv_hi)
                 y_lo, y_hi = _times(z_lo, z_hi, Vt_ll, Vt_lh, Vt_hl, Vt_hh)
                 y_lo = tl.math.div_rn(y_lo, kw_lo[None, :]) + km_lo[None, :]
                 y_hi = tl.math.div_rn(y_hi, kw_hi[None, :]) + km_hi[None, :]
@@ -859,6 +866,7 @@ def quantize_append(
         bits,
         offset,
         step,
+        *store.dither_heads,
         PAGE=store.page_size,
         D=D,
         GS=store.G,
@@ -1027,6 +1035,7 @@ def paged_attention(
         _f32_bits(sm_scale),
         chunk,
         *store.kernel_klt(),
+        *store.dither_heads,
         *_exact_args(store, exact, B, G, dev),
         **meta,
     )

@@ -725,8 +725,19 @@ class KVPlan:
     # [L, KV, D] int8, "basis" [L, KV, D, D] float16 (an orthonormal matrix), "inv_freq" [D/2] float32}; None when
     # the plan has no KLT units
     klt: Optional[dict] = None
+    # a tensor-parallel rank's plan (shard): its first KV head and the model's KV heads (0: num_kv_heads, the
+    # whole model's plan). KLT units key their dither by the model's unit ids, so every tp rounds alike
+    first_kv_head: int = 0
+    total_kv_heads: int = 0
 
     def __post_init__(self):
+        self.total_kv_heads = self.total_kv_heads or self.num_kv_heads
+        if self.first_kv_head < 0 or self.first_kv_head + self.num_kv_heads > self.total_kv_heads:
+            raise UserError(
+                f"KV heads {self.first_kv_head}..{self.first_kv_head + self.num_kv_heads - 1} are not among the "
+                f"model's {self.total_kv_heads}",
+                key="first_kv_head",
+            )
         if self.rotation not in ROTATIONS:
             raise UserError(
                 f"unknown KV rotation {self.rotation!r}; expected one of {', '.join(ROTATIONS)}", key="rotation"
@@ -880,6 +891,8 @@ class KVPlan:
             int4_clip=pick(self.int4_clip, 2),
             k_mean=pick(self.k_mean, 1),
             klt=klt,
+            first_kv_head=self.first_kv_head + heads[0],
+            total_kv_heads=self.total_kv_heads,
         )
 
     def unit_precision(self) -> torch.Tensor:
@@ -1043,6 +1056,12 @@ class QuantKVStore(KVStore):
         self.rotation = plan.rotation
         self.k_mean = plan.k_mean.float().to(dev).contiguous() if plan.k_mean is not None else None
         self._H = hadamard(D, dev) if plan.rotation == "hadamard" else None
+        # a shard's global unit id (layer * 2 + kv) * KV + head -> the model's, (layer * 2 + kv) * total + first + head
+        # (None when the store holds every KV head: the ids are the same)
+        self._model_unit = None
+        if (plan.first_kv_head, plan.total_kv_heads) != (0, KV):
+            lk, h = torch.arange(2 * L).repeat_interleave(KV), torch.arange(KV).repeat(2 * L)
+            self._model_unit = (lk * plan.total_kv_heads + plan.first_kv_head + h).to(dev)
         # KLT key units: per layer (their heads, basis, inverse, mean); positions of every slot, for RoPE on read
         self._klt, self.positions = {}, None
         if plan.has_klt:
@@ -1108,8 +1127,18 @@ class QuantKVStore(KVStore):
 
     def _dither(self, layer: int, units: torch.Tensor, p, o) -> torch.Tensor:
         """KLT units' dither for slots (p, o): from their recorded positions and global unit ids (K units; layer -1:
-        `units` are global ids already)."""
-        return klt_dither(self.positions[p, o], max(layer, 0) * 2 * self.num_kv_heads + units, self.head_size)
+        `units` are this store's global ids already), as the whole model numbers them (a tensor-parallel rank's
+        store holds some of its KV heads)."""
+        ids = units if layer < 0 else layer * 2 * self.num_kv_heads + units
+        if self._model_unit is not None:
+            ids = self._model_unit[ids]
+        return klt_dither(self.positions[p, o], ids, self.head_size)
+
+    @property
+    def dither_heads(self) -> tuple[int, int]:
+        """(the model's KV heads, this store's first one): how the kernels number a unit for its KLT dither,
+        (layer * 2 + kv) * total + first + head."""
+        return self.plan.total_kv_heads, self.plan.first_kv_head
 
     def _klt_tables(self, layer, units: torch.Tensor) -> tuple:
         """A KLT group's codec tables: (bits, step, level [U, D], packing coefficient / bit [U, B]); the units are
