@@ -93,6 +93,12 @@ def test_70b_recipe_at_tp8_on_h200():
     assert tables == 7_372_288
     assert p["kv_bytes"] == 1_052_736 * (10_990 + 4096) + 64 * exact + tables
     assert p["fits"] and p["tp"] == 8
+    # no dense copy: on CUDA the verifier's quantized cache is read by the kernels, and the draft's float cache by
+    # the static step (runtime.cuda_graphs auto, at tp 8 and with the plan's exact entries too); without it, the
+    # draft's copy for 64 + 1 rows of 16384 + 6 + 1 entries, K and V of 16 layers x 1 KV head x 64 in bfloat16
+    assert p["dense_kv_bytes"] == 0
+    off = Recipe.model_validate({**r.model_dump(), "runtime": {**r.runtime.model_dump(), "cuda_graphs": "off"}})
+    assert plan(off, _spec(L70), _spec(L1B), DEVICES["h200"])["dense_kv_bytes"] == 65 * 16_391 * 4096
     # batch 1 at 16384 tokens reads the verifier shard and one sequence's KV: 4.8e12 / (2*verifier + 16384*10990)
     assert p["projected_decode_tokens_per_s"]["batch_1_at_max_seq_len"] == pytest.approx(
         4.8e12 / (2 * verifier + 16384 * 10_990)
@@ -245,7 +251,8 @@ def test_plan_command(tmp_path):
     out = json.loads(res.stdout)
     assert out["at_recipe_tp"]["tp"] == 8 and out["at_recipe_tp"]["fits"]
     assert out["smallest_tp_that_fits"]["tp"] < 8
-    # 40 GB cards: not at tp 8 with these limits (weights 20.3 GB, KV pools 15.9, the draft's dense copy 4.4): exit 2
+    # 40 GB cards: not at tp 8 with these limits (weights 20.3 GB + KV pools 15.9 + activations and a chunk's K/V
+    # 0.7 = 36.9 GB, more than 90% of 40): exit 2
     res = CliRunner().invoke(main, ["plan", str(recipe), "--memory-gb", "40"])
     assert res.exit_code == 2 and "does not fit" in res.stderr and "| fits |" in res.stdout
     # a model path that does not exist is named
@@ -296,8 +303,9 @@ def runtime_held(gen) -> dict:
     return {"weights_by_model": weights, "kv_pools": sum(k.nbytes() for k in kvs), "dense": dense, "chunk": chunk}
 
 
-def compare_with_runtime(engine: Path, tp: int = 1) -> tuple[dict, dict]:
-    """(`runtime_bytes` of the engine's recipe on CPU at tp, what the engine loaded at tp holds)."""
+def compare_with_runtime(engine: Path, tp: int = 1, cuda_graphs: str | None = None) -> tuple[dict, dict]:
+    """(`runtime_bytes` of the engine's recipe on CPU at tp, what the engine loaded at tp holds); cuda_graphs: the
+    runtime.cuda_graphs both take instead of the recipe's."""
     from bpcompile.compiler.hf import is_feature_draft, read_feature_draft, read_hf_config
     from bpcompile.compiler.plan import runtime_bytes
     from bpcompile.compiler.recipe import parse_recipe
@@ -307,8 +315,10 @@ def compare_with_runtime(engine: Path, tp: int = 1) -> tuple[dict, dict]:
     v = read_hf_config(r.models.verifier.path)
     d = r.models.draft.path
     d = read_feature_draft(d, v) if is_feature_draft(d) else read_hf_config(d)
+    if cuda_graphs is not None:
+        r.runtime.cuda_graphs = cuda_graphs
     planned = runtime_bytes(r, v, d, "cpu", tp)
-    gen = Generator.from_engine(engine, tp=tp, verify=False)
+    gen = Generator.from_engine(engine, tp=tp, verify=False, cuda_graphs=cuda_graphs)
     try:
         return planned, runtime_held(gen)
     finally:

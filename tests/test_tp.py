@@ -598,6 +598,16 @@ def test_plan_counts_the_default_plans_tables_per_rank(tiny_tp2_default):
     assert_plan_matches(planned, held)
 
 
+def test_plan_counts_no_dense_copy_under_the_static_step(tiny_tp2_default):
+    """runtime.cuda_graphs on (on CPU the static step runs eagerly) at tp 2 with the default plan's exact entries:
+    neither cache has a dense copy, in the plan as in rank 0's runtime; pools and weights as without it."""
+    from test_plan import assert_plan_matches, compare_with_runtime
+
+    planned, held = compare_with_runtime(tiny_tp2_default, 2, cuda_graphs="on")
+    assert_plan_matches(planned, held)
+    assert held["dense"] == 0 and planned["total"] > 0
+
+
 def test_tp2_prefix_reuse_equals_tp1_without_it(tiny_tp2):
     """8 conversations x 3 turns sharing a 40-token system prompt at tp 2 with prefix reuse (rank 0 picks the pages,
     every rank fills its heads' dense view and exact copies from its own copies of them, over the tensor channel;

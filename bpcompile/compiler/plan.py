@@ -173,7 +173,12 @@ def runtime_bytes(recipe, verifier: dict, draft: Optional[dict], device: str = "
     kv_pools: the verifier's pool in the recipe's format, the draft's in its compute dtype (max_batch_size
       sequences of max_seq_len + a tree, in pages, + the padding page), the plan's exact copies and KLT tables;
     dense: the per-sequence copy of a cache that the PyTorch attention reads (every cache on CPU; on CUDA a float
-      cache, unless its steps are static: runtime.cuda_graphs) at its full length, max_batch_size + 1 rows;
+      cache) at its full length, max_batch_size + 1 rows; none where the steps after prefill are static
+      (runtime.cuda_graphs: auto on CUDA, on anywhere; the torch executor, any tp or KV plan). Not counted: the
+      static step's buffers per bucket (batch rounded up to a power of two x query rows T), of which the block
+      tables are the most, B x pages of a sequence x 4 bytes (recipes/70b.yaml's largest: 64 x 257 x 4 = 66 KB);
+      and on CUDA the logits each captured bucket keeps, B x T x vocab x 4 bytes (the 70B verifier's tree steps, T = 6,
+      over its 7 batch buckets: (1 + 2 + ... + 64) x 6 x 128256 x 4 = 0.39 GB, 0.3% of an H200);
     chunk: the K/V copy, in the compute dtype, of the one prompt (max_input_len) prefilling in chunks, both models;
     activations: an estimate of the largest forward (prompt tokens of one step: the chunk budget, else a full
     batch of max_input_len prompts; hidden states, q/k/v, the MLP's inputs, a chunk's attention scores) plus a
@@ -199,8 +204,8 @@ def runtime_bytes(recipe, verifier: dict, draft: Optional[dict], device: str = "
         verifier, recipe, tp
     )
     kv += klt_table_bytes(verifier, recipe, tp, device)
-    exact = bool(kvc.sink_tokens or kvc.recent_window)
-    static = not cpu and getattr(rt, "cuda_graphs", "off") != "off" and tp == 1 and rt.executor == "torch" and not exact
+    # runtime.static_step: wants_static and static_support (only the torch executor runs it)
+    static = rt.executor == "torch" and (rt.cuda_graphs == "on" or (rt.cuda_graphs == "auto" and not cpu))
     length = lim.max_seq_len + tree_tokens(recipe) + 1  # a DenseKV row: max_seq_len + a tree + 1
 
     def per_token(cfg: dict, b: int) -> int:  # K and V of one token, every layer, this rank's heads
@@ -209,7 +214,7 @@ def runtime_bytes(recipe, verifier: dict, draft: Optional[dict], device: str = "
     dense = 0
     for i, (cfg, b) in enumerate(models):
         quantized = i == 0 and kvc.format != "fp16"
-        if cpu or not (quantized or static):
+        if not static and (cpu or not quantized):
             dense += (lim.max_batch_size + 1) * length * per_token(cfg, b)
     chunked = 0 < rt.prefill_chunk < lim.max_input_len
     chunk = lim.max_input_len * sum(per_token(cfg, b) for cfg, b in models) if chunked else 0

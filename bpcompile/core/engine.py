@@ -224,8 +224,8 @@ class Runtime(_Strict):
         "auto",
         description="decode, draft and tree-verify steps from static per-bucket buffers (batch size rounded up to "
         "a power of two x query rows), each bucket captured once as a CUDA graph and replayed (docs/GPU.md); on "
-        "CPU the same static step runs eagerly. auto = on for CUDA where it applies (tp 1, the torch executor, a "
-        "plan without exact entries), else off; on = also on CPU, and an error where it does not apply",
+        "CPU the same static step runs eagerly. auto = on for CUDA where it applies (the torch executor, any tp "
+        "and KV plan), else off; on = also on CPU, and an error where it does not apply",
     )
 
     prefix_reuse: Union[bool, Literal["auto"]] = Field(
