@@ -140,6 +140,12 @@ RANK_SCRIPT = textwrap.dedent("""
     model = Llama.from_rank(ckpt, rank, 2, group)
     tokens = torch.randint(0, int(sys.argv[6]), (2, 24), generator=torch.Generator().manual_seed(seed))
     save_file({"logits": model(tokens).contiguous()}, out)
+    # both ranks done before either leaves, then no interpreter teardown: destroying gloo's threads and the TCPStore
+    # at exit raced (a rank aborted with "terminate called without an active exception" after writing its file)
+    group.barrier().wait()
+    sys.stdout.flush()
+    import os
+    os._exit(0)
 """)
 
 
