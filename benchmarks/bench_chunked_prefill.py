@@ -18,27 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bpcompile.info import machine
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln
-        )
-    except (OSError, StopIteration):
-        pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, load average {load}"
 
 
 def prompts(engine: Path, streams: int, long_tokens: int) -> tuple[list[list[int]], list[int]]:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "benchmarks" / "data" / "chat_prompts.json"
 
 from bpcompile.compiler.convert import convert_checkpoint  # noqa: E402
+from bpcompile.info import machine  # noqa: E402
 from bpcompile.runtime.generator import Generator, SamplingParams  # noqa: E402
 from bpcompile.runtime.model import FeatureDraft, Llama, cpu_layout  # noqa: E402
 from bpcompile.runtime.paged_kv import float_store_factory  # noqa: E402
@@ -51,18 +50,6 @@ def chat_prompts(tok, path: Path) -> list[list[int]]:
         )
         for p in items
     ]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln
-        )
-    except (OSError, StopIteration):
-        pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, load average {load}"
 
 
 def generator(v, d, tree: TreeSpec, backoff: bool, batch: int = 1) -> Generator:

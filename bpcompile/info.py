@@ -8,6 +8,8 @@ an engine version's files are checked against the sizes and sha256 its manifest 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 from collections import Counter
 from math import prod
@@ -16,6 +18,21 @@ from pathlib import Path
 from bpcompile.compiler.hf import read_header
 from bpcompile.core.errors import UserError
 from bpcompile.core.store import MANIFEST, dir_size, verify_version
+
+
+def machine() -> str:
+    """One line naming the CPU, its cores, torch's threads and the load average: what a benchmark figure ran on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln
+        )
+    except (OSError, StopIteration):
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, load average {load}"
 
 
 def shards_summary(d: Path) -> dict:
