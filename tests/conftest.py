@@ -164,6 +164,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def tiny_models(tmp: Path):
+    """The shipped tiny pair (models/tiny) converted under tmp and loaded: (verifier, draft) Llama modules."""
+    from bpcompile.compiler.convert import convert_checkpoint
+    from bpcompile.runtime.model import Llama
+
+    models = []
+    for name in ("verifier", "draft"):
+        convert_checkpoint(TINY / name, tmp / name)
+        models.append(Llama.from_checkpoint(tmp / name))
+    return models[0], models[1]
+
+
 def random_llama(cfg, seed: int, scale: float = 1.0):
     """A Llama (bpcompile.runtime.model) with random weights under TensorRT-LLM names; `scale` sharpens the
     output distribution."""

@@ -7,7 +7,7 @@ import random
 import time
 
 import pytest
-from conftest import TINY, one_thread  # noqa: F401  (one_thread: fixture)
+from conftest import TINY, one_thread, tiny_models  # noqa: F401  (one_thread: fixture)
 
 from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
 
@@ -24,16 +24,9 @@ COST_S = {"verifier": 0.040, "draft": 0.001}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from bpcompile.compiler.convert import convert_checkpoint
     from bpcompile.compiler.corpus import heldout_prompts
-    from bpcompile.runtime.model import Llama
 
-    tmp = tmp_path_factory.mktemp("tiny")
-    models = []
-    for name in ("verifier", "draft"):
-        convert_checkpoint(TINY / name, tmp / name)
-        models.append(Llama.from_checkpoint(tmp / name))
-    return models, heldout_prompts(TINY / "verifier", 3, 32)
+    return list(tiny_models(tmp_path_factory.mktemp("tiny"))), heldout_prompts(TINY / "verifier", 3, 32)
 
 
 def spin(cpu_seconds: float) -> None:

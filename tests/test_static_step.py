@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, one_thread, random_llama  # noqa: F401  (one_thread: fixture)
+from conftest import TINY, one_thread, random_llama, tiny_models  # noqa: F401  (one_thread: fixture)
 
 from bpcompile.core.errors import UserError
 from bpcompile.runtime.generator import Generator, SamplingParams, TreeSpec
-from bpcompile.runtime.model import Llama, ModelConfig
+from bpcompile.runtime.model import ModelConfig
 from bpcompile.runtime.paged_kv import float_store_factory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,15 +24,9 @@ needs_tiny = pytest.mark.skipif(not (TINY / "verifier" / "config.json").is_file(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from bpcompile.compiler.convert import convert_checkpoint
     from bpcompile.compiler.corpus import heldout_prompts
 
-    tmp = tmp_path_factory.mktemp("tiny")
-    models = []
-    for name in ("verifier", "draft"):
-        convert_checkpoint(TINY / name, tmp / name)
-        models.append(Llama.from_checkpoint(tmp / name))
-    return models[0], models[1], heldout_prompts(TINY / "verifier", 50, 32)
+    return *tiny_models(tmp_path_factory.mktemp("tiny")), heldout_prompts(TINY / "verifier", 50, 32)
 
 
 def generate(pair, prompts, batch: int, mode: str, tokens: int = 32, **kw) -> tuple[list[list[int]], Generator]:
@@ -93,12 +87,10 @@ def test_feature_draft_static_step_is_token_identical():
     assert any(k[3] for k in gen.d_exec.static.buckets)  # the catch-up's one-row logits ran from its buffers
 
 
-@needs_tiny
-@pytest.mark.timeout(600)
-def test_static_step_through_the_triton_kernels(tmp_path):
-    """BPCOMPILE_KERNELS=triton (Triton's interpreter, chosen before triton is imported: a subprocess), through
-    benchmarks/check_static_step.py: an INT4 plan's steps through the kernels from the static buffers (full-width
-    block tables) give the kernels' own eager step's tokens, 2 prompts x 8 tokens at batch 2."""
+def _static_runs_through_the_kernels(kv: str) -> list[dict]:
+    """benchmarks/check_static_step.py on the tiny pair with `kv`, 2 prompts x 8 tokens at batch 2, under
+    BPCOMPILE_KERNELS=triton (Triton's interpreter, chosen before triton is imported: a subprocess): its report's
+    static-step (cuda_graphs on) runs, after checking every one ran through the kernels with the eager step's tokens."""
     import json
     import subprocess
     import sys
@@ -106,12 +98,21 @@ def test_static_step_through_the_triton_kernels(tmp_path):
     pytest.importorskip("triton")
     env = dict(os.environ, BPCOMPILE_KERNELS="triton", TRITON_INTERPRET="1")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_static_step.py"
-    cmd = [sys.executable, str(script), "--pair", "tiny", "--kv", "int4", "--prompts", "2", "--tokens", "8"]
+    cmd = [sys.executable, str(script), "--pair", "tiny", "--kv", kv, "--prompts", "2", "--tokens", "8"]
     r = subprocess.run(cmd + ["--batch", "2"], capture_output=True, text=True, env=env, timeout=540)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
     on = [x for x in rep["runs"] if x["cuda_graphs"] == "on"]
     assert rep["ok"] and on and all(x["kernels"] and x["static_step"] and x["identical"] for x in on), rep
+    return on
+
+
+@needs_tiny
+@pytest.mark.timeout(600)
+def test_static_step_through_the_triton_kernels():
+    """An INT4 plan's steps through the kernels from the static buffers (full-width block tables) give the kernels'
+    own eager step's tokens, 2 prompts x 8 tokens at batch 2."""
+    _static_runs_through_the_kernels("int4")
 
 
 @needs_tiny
@@ -121,20 +122,8 @@ def test_static_step_with_exact_entries_through_the_triton_kernels():
     the copies are written with fixed shapes and read by the kernels from the static buffers; tokens equal the
     kernels' own eager step's, and the exact copies of both runs end bitwise equal (a write the static step drops
     or misplaces, padding's included, shows there even where the tokens do not move)."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = dict(os.environ, BPCOMPILE_KERNELS="triton", TRITON_INTERPRET="1")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_static_step.py"
-    cmd = [sys.executable, str(script), "--pair", "tiny", "--kv", "int4-exact", "--prompts", "2", "--tokens", "8"]
-    r = subprocess.run(cmd + ["--batch", "2"], capture_output=True, text=True, env=env, timeout=540)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(r.stdout)
-    on = [x for x in rep["runs"] if x["cuda_graphs"] == "on"]
-    assert rep["ok"] and on and all(x["kernels"] and x["static_step"] and x["identical"] for x in on), rep
-    assert all(x["exact_copies_equal"] for x in on), rep
+    on = _static_runs_through_the_kernels("int4-exact")
+    assert all(x["exact_copies_equal"] for x in on), on
 
 
 def exact_plan(m, fmt: str, sink: int, window: int):
